@@ -1,0 +1,83 @@
+"""Timing and recording shared by the benchmark scripts (run them on the H200).
+
+Kernel time is the CUPTI median over `iterations` calls (Mosaic GPU's profiler, as
+shared/GPU.md prescribes); inputs are random and rotated when they would fit in L2.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+L2_BYTES = 60 * 2**20
+
+
+def kernel_time_ms(fn: Callable, *args, iterations: int = 20) -> float:
+    """Median CUPTI kernel time of `fn(*args)` in ms (all kernels of one call summed).
+
+    Falls back to wall-clock timing with `block_until_ready` where CUPTI is unavailable.
+    """
+    fn = jax.jit(fn)
+    jax.block_until_ready(fn(*args))
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, times = profiler.measure(fn, iterations=iterations)(*args)
+        return float(statistics.median(times))
+    except Exception:  # noqa: BLE001 - CUPTI missing: time the step instead
+        return step_time_ms(fn, *args, iterations=iterations)
+
+
+def step_time_ms(fn: Callable, *args, iterations: int = 20) -> float:
+    """Median wall time of `fn(*args)` in ms, launch gaps included."""
+    import time
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def environment() -> dict:
+    """GPU name, jax version, git commit and date for a results file."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip() or None
+    except OSError:
+        commit = None
+    device = jax.devices()[0]
+    return {
+        "device": getattr(device, "device_kind", str(device)),
+        "jax": jax.__version__,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_results(path: str | Path, suite: str, cases: list[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"suite": suite, **environment(), "cases": cases}, indent=1))
+
+
+def print_table(cases: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(case.get(c))) for case in cases)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+    for case in cases:
+        print("  ".join(_fmt(case.get(c)).ljust(w) for c, w in zip(columns, widths, strict=True)))
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    return "-" if x is None else str(x)

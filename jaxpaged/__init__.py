@@ -1,0 +1,37 @@
+"""jaxpaged: paged attention for JAX on NVIDIA GPUs, as Pallas kernels.
+
+Ops (one layer's page pool `k_pages, v_pages [P, page_size, Hkv, D]`):
+  ragged_paged_attention  prefill, chunked prefill and decode tokens in one ragged batch
+  paged_decode_attention  one token per sequence, split-KV
+  append_kv               write a step's new K/V into the pages
+  merge_attention_states  combine attention over two disjoint key sets
+State: PagePool with create_pool / reserve / release / batch_metadata.
+"""
+
+from jaxpaged.attention import (
+    available_implementations,
+    merge_attention_states,
+    paged_decode_attention,
+    quiet_triton_deprecation,
+    ragged_paged_attention,
+)
+from jaxpaged.batch import validate_batch
+from jaxpaged.kv_cache import append_kv
+from jaxpaged.page_pool import PagePool, batch_metadata, create_pool, num_free_pages, release, reserve
+
+__all__ = [
+    "PagePool",
+    "append_kv",
+    "available_implementations",
+    "batch_metadata",
+    "create_pool",
+    "merge_attention_states",
+    "num_free_pages",
+    "paged_decode_attention",
+    "quiet_triton_deprecation",
+    "ragged_paged_attention",
+    "release",
+    "reserve",
+    "validate_batch",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Pallas kernels behind `jaxpaged`'s attention ops: `triton/` and `mosaic/` lowerings."""

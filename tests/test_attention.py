@@ -1,0 +1,155 @@
+"""One test body per property, run for every backend against the float64 loop (tests/helpers)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpaged
+from pallas_kernels.common import poison_outputs
+from tests.helpers import assert_close, make_batch, oracle
+
+ON_GPU = jax.default_backend() == "gpu"
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+# A mixed batch: decode tokens, chunks on prefixes at every page alignment, a whole prompt,
+# an empty chunk on a prefix, an empty sequence, and a long-ish chunk.
+MIXED = [(1, 37), (5, 21), (16, 16), (0, 9), (0, 0), (7, 40), (3, 17), (1, 1), (20, 52)]
+
+
+def _backends(op):
+    """(backend, marks): the kernels run here in interpret mode on small shapes and compiled
+    under the `gpu` marker; mosaic only on GPU."""
+    cases = [pytest.param("xla", id="xla")]
+    cases.append(pytest.param("triton", id="triton"))
+    cases.append(pytest.param("triton", id="triton-gpu", marks=pytest.mark.gpu))
+    if op == "decode":
+        cases.append(pytest.param("mosaic", id="mosaic-gpu", marks=pytest.mark.gpu))
+    return cases
+
+
+def _require(backend, op):
+    if backend not in jaxpaged.available_implementations(op):
+        pytest.skip(f"{backend} is not available for {op} here")
+
+
+def _ragged(backend, batch, **kw):
+    with poison_outputs():
+        return jaxpaged.ragged_paged_attention(
+            *batch.args(), return_lse=True, implementation=backend, **kw)
+
+
+def _decode(backend, batch, **kw):
+    with poison_outputs():
+        return jaxpaged.paged_decode_attention(
+            batch.q, batch.k_pages, batch.v_pages, batch.kv_lens, batch.page_indices,
+            return_lse=True, implementation=backend, **kw)
+
+
+RAGGED_FEATURES = [
+    dict(),
+    dict(sliding_window=5),
+    dict(logits_soft_cap=2.5),
+    dict(sm_scale=0.3, sliding_window=19, logits_soft_cap=7.0),
+    dict(causal=False),
+]
+
+
+@pytest.mark.parametrize("backend", _backends("ragged"))
+@pytest.mark.parametrize("features", RAGGED_FEATURES, ids=lambda f: "-".join(f) or "plain")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_ragged_features(backend, features, dtype):
+    _require(backend, "ragged")
+    rng = np.random.default_rng(1)
+    batch = make_batch(rng, MIXED, dtype=dtype, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    out, lse = _ragged(backend, batch, **features)
+    assert_close(out, lse, *oracle(batch, **features), dtype)
+
+
+SHAPES = [  # (Hq, Hkv, D, page_size)
+    (q_heads, kv_heads, d, ps)
+    for (q_heads, kv_heads), d, ps in itertools.product(
+        [(4, 4), (8, 2), (8, 1)], [64, 128, 256], [16, 64])
+]
+
+
+@pytest.mark.parametrize("backend", _backends("ragged"))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq%d-hkv%d-d%d-ps%d" % s)
+def test_ragged_shapes(backend, shape):
+    _require(backend, "ragged")
+    num_q_heads, num_kv_heads, head_dim, page_size = shape
+    rng = np.random.default_rng(hash(shape) % 2**32)
+    seqs = [(1, 70), (9, page_size + 3), (page_size, 2 * page_size), (0, 0), (12, 12)]
+    batch = make_batch(rng, seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, page_size=page_size, dtype=jnp.bfloat16)
+    out, lse = _ragged(backend, batch)
+    assert_close(out, lse, *oracle(batch), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("backend", _backends("ragged"))
+@pytest.mark.parametrize("prefix", [0, 1, 15, 16, 17, 31, 33])
+def test_chunk_on_prefix_every_alignment(backend, prefix):
+    """A chunk appended to a cached prefix equals the same rows of single-shot prefill."""
+    _require(backend, "ragged")
+    rng = np.random.default_rng(prefix)
+    chunk = 11
+    whole = make_batch(rng, [(prefix + chunk, prefix + chunk)], pad_seqs=0, pad_tokens=0)
+    part = jaxpaged.ragged_paged_attention(
+        whole.q[prefix:], whole.k_pages, whole.v_pages, whole.kv_lens, whole.page_indices,
+        jnp.array([0, chunk], jnp.int32), 1, implementation=backend)
+    full = jaxpaged.ragged_paged_attention(*whole.args(), implementation=backend)
+    np.testing.assert_allclose(np.asarray(part), np.asarray(full[prefix:]), atol=2e-5, rtol=2e-5)
+    assert_close(part, None, oracle(whole)[0][prefix:], None, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", _backends("decode"))
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("features", RAGGED_FEATURES[:4], ids=lambda f: "-".join(f) or "plain")
+def test_decode(backend, page_size, features):
+    _require(backend, "decode")
+    rng = np.random.default_rng(page_size)
+    lens = [0, 1, page_size - 1, page_size, page_size + 1, 5 * page_size + 7, 300]
+    batch = make_batch(rng, [(1, n) for n in lens], page_size=page_size, num_q_heads=8,
+                       num_kv_heads=2, head_dim=64, pad_tokens=0, pad_seqs=0)
+    # kv_len 0 is an inactive slot but still has one (ignored) query token.
+    out, lse = _decode(backend, batch, **features)
+    ref_out, ref_lse = oracle(batch, **features)
+    assert_close(out, lse, ref_out, ref_lse, jnp.float32)
+
+
+def test_decode_equals_ragged_with_one_token_each():
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, [(1, n) for n in (3, 40, 17)], pad_tokens=0, pad_seqs=0)
+    a = jaxpaged.paged_decode_attention(batch.q, batch.k_pages, batch.v_pages, batch.kv_lens,
+                                        batch.page_indices, implementation="xla")
+    b = jaxpaged.ragged_paged_attention(*batch.args(), implementation="xla")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_merge_attention_states_matches_union():
+    """Attention over keys [0, 16) merged with attention over [16, kv_len) equals the whole."""
+    rng = np.random.default_rng(7)
+    batch = make_batch(rng, [(4, 40), (2, 33)], pad_seqs=0, pad_tokens=0, page_size=16)
+    ref_out, ref_lse = oracle(batch, causal=False)
+    def attend(kv_lens, page_indices):
+        return jaxpaged.ragged_paged_attention(
+            batch.q, batch.k_pages, batch.v_pages, kv_lens, page_indices, batch.cu_q_lens,
+            batch.num_seqs, causal=False, return_lse=True, implementation="xla")
+    out_a, lse_a = attend(jnp.minimum(batch.kv_lens, 16), batch.page_indices)
+    out_b, lse_b = attend(batch.kv_lens - 16, batch.page_indices[:, 1:])
+    out, lse = jaxpaged.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    assert_close(out, lse, ref_out, ref_lse, jnp.float32)
+    # An empty state is the identity.
+    out_e, lse_e = jaxpaged.merge_attention_states(out_a, lse_a, out_b, jnp.full_like(lse_b, -jnp.inf))
+    np.testing.assert_allclose(np.asarray(out_e), np.asarray(out_a), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse_e), np.asarray(lse_a), rtol=1e-6)
+
+
+def test_merge_two_empty_states_is_empty():
+    out = jnp.full((2, 3, 8), 5.0)
+    lse = jnp.full((2, 3), -jnp.inf)
+    m_out, m_lse = jaxpaged.merge_attention_states(out, lse, out, lse)
+    np.testing.assert_array_equal(np.asarray(m_out), 0.0)
+    assert np.isneginf(np.asarray(m_lse)).all()
