@@ -51,8 +51,12 @@ def step_time_ms(fn: Callable, *args, iterations: int = 20) -> float:
 def environment() -> dict:
     """GPU name, jax version, git commit and date for a results file."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         commit = None
     device = jax.devices()[0]

@@ -17,7 +17,14 @@ from jaxpaged.attention import (
 )
 from jaxpaged.batch import validate_batch
 from jaxpaged.kv_cache import append_kv
-from jaxpaged.page_pool import PagePool, batch_metadata, create_pool, num_free_pages, release, reserve
+from jaxpaged.page_pool import (
+    PagePool,
+    batch_metadata,
+    create_pool,
+    num_free_pages,
+    release,
+    reserve,
+)
 
 __all__ = [
     "PagePool",

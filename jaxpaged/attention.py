@@ -104,9 +104,7 @@ def _resolve(op: str, implementation: str | None) -> str:
     if implementation not in available:
         known = tuple(_BACKENDS[op])
         why = "unknown" if implementation not in known else "not available on this machine"
-        raise ValueError(
-            f"implementation={implementation!r} is {why}; available: {available}"
-        )
+        raise ValueError(f"implementation={implementation!r} is {why}; available: {available}")
     return implementation
 
 
@@ -140,7 +138,8 @@ def _check_kv(q, k_pages, v_pages, kv_lens, page_indices) -> None:
         raise TypeError(f"q must be float32, bfloat16 or float16; got {q.dtype}")
     if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise TypeError(
-            f"k_pages and v_pages must have q's dtype {q.dtype}; got {k_pages.dtype}, {v_pages.dtype}"
+            f"k_pages and v_pages must have q's dtype {q.dtype}; "
+            f"got {k_pages.dtype}, {v_pages.dtype}"
         )
     if q.shape[2] != k_pages.shape[3]:
         raise ValueError(
@@ -176,14 +175,20 @@ def _check_index(name: str, x, ndim: int) -> None:
 
 
 def _check_options(sm_scale, sliding_window, logits_soft_cap) -> None:
-    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
+    if sm_scale is not None and not (
+        isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)
+    ):
         raise ValueError(f"sm_scale must be a finite Python float or None; got {sm_scale!r}")
     if sliding_window is not None and (
-        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
+        not isinstance(sliding_window, int)
+        or isinstance(sliding_window, bool)
+        or sliding_window < 1
     ):
         raise ValueError(f"sliding_window must be None or an int >= 1; got {sliding_window!r}")
     if logits_soft_cap is not None and not (
-        isinstance(logits_soft_cap, (int, float)) and math.isfinite(logits_soft_cap) and logits_soft_cap > 0
+        isinstance(logits_soft_cap, (int, float))
+        and math.isfinite(logits_soft_cap)
+        and logits_soft_cap > 0
     ):
         raise ValueError(f"logits_soft_cap must be None or a float > 0; got {logits_soft_cap!r}")
 
@@ -236,7 +241,8 @@ def ragged_paged_attention(
       return_lse: also return the natural-log log-sum-exp f32[T, Hq].
       implementation: None (best for the device), "xla", "triton" or "mosaic".
       interpret: run a Pallas kernel in interpret mode (forced where there is no GPU).
-      config: the backend's tuning config (e.g. `pallas_kernels.triton.ragged_prefill.PrefillConfig`).
+      config: the backend's tuning config, e.g. a
+        `pallas_kernels.triton.ragged_prefill.PrefillConfig`.
 
     Returns:
       `out` [T, Hq, D] in q's dtype, and `lse` f32[T, Hq] when `return_lse`. Rows with no
@@ -252,10 +258,21 @@ def ragged_paged_attention(
     _check_options(sm_scale, sliding_window, logits_soft_cap)
     name = _resolve("ragged", implementation)
     out, lse = _ragged_jit(
-        q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-        sm_scale=_scale(sm_scale, q), causal=bool(causal), sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, implementation=name,
-        interpret=bool(interpret) or _platform() != "gpu", config=config, poison=poison_enabled(),
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=_scale(sm_scale, q),
+        causal=bool(causal),
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        implementation=name,
+        interpret=bool(interpret) or _platform() != "gpu",
+        config=config,
+        poison=poison_enabled(),
     )
     return (out, lse) if return_lse else out
 
@@ -300,10 +317,19 @@ def paged_decode_attention(
     _check_options(sm_scale, sliding_window, logits_soft_cap)
     name = _resolve("decode", implementation)
     out, lse = _decode_jit(
-        q, k_pages, v_pages, kv_lens, page_indices, num_splits=num_splits,
-        sm_scale=_scale(sm_scale, q), sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, implementation=name,
-        interpret=bool(interpret) or _platform() != "gpu", config=config, poison=poison_enabled(),
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_indices,
+        num_splits=num_splits,
+        sm_scale=_scale(sm_scale, q),
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        implementation=name,
+        interpret=bool(interpret) or _platform() != "gpu",
+        config=config,
+        poison=poison_enabled(),
     )
     return (out, lse) if return_lse else out
 
@@ -314,44 +340,122 @@ def _scale(sm_scale: float | None, q: jax.Array) -> float:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "causal", "sliding_window", "logits_soft_cap",
-                     "implementation", "interpret", "config", "poison"),
+    static_argnames=(
+        "sm_scale",
+        "causal",
+        "sliding_window",
+        "logits_soft_cap",
+        "implementation",
+        "interpret",
+        "config",
+        "poison",
+    ),
 )
-def _ragged_jit(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                sm_scale, causal, sliding_window, logits_soft_cap, implementation, interpret,
-                config, poison):
+def _ragged_jit(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    causal,
+    sliding_window,
+    logits_soft_cap,
+    implementation,
+    interpret,
+    config,
+    poison,
+):
     del poison  # a static key only: kernels read it while tracing (see common.poison_outputs)
-    options = dict(sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
-                   logits_soft_cap=logits_soft_cap)
+    options = dict(
+        sm_scale=sm_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
     if implementation == "xla":
         return ragged_paged_attention_reference(
-            q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options)
+            q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options
+        )
     kernel = _load("ragged", implementation)
     with quiet_triton_deprecation():
-        return kernel(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                      **options, config=config, interpret=interpret)
+        return kernel(
+            q,
+            k_pages,
+            v_pages,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            num_seqs,
+            **options,
+            config=config,
+            interpret=interpret,
+        )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_splits", "sm_scale", "sliding_window", "logits_soft_cap",
-                     "implementation", "interpret", "config", "poison"),
+    static_argnames=(
+        "num_splits",
+        "sm_scale",
+        "sliding_window",
+        "logits_soft_cap",
+        "implementation",
+        "interpret",
+        "config",
+        "poison",
+    ),
 )
-def _decode_jit(q, k_pages, v_pages, kv_lens, page_indices, *, num_splits, sm_scale,
-                sliding_window, logits_soft_cap, implementation, interpret, config, poison):
+def _decode_jit(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    *,
+    num_splits,
+    sm_scale,
+    sliding_window,
+    logits_soft_cap,
+    implementation,
+    interpret,
+    config,
+    poison,
+):
     del poison  # a static key only: kernels read it while tracing (see common.poison_outputs)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window,
-                   logits_soft_cap=logits_soft_cap)
+    options = dict(
+        sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+    )
     if implementation == "xla":
         num_seq_slots = q.shape[0]
         cu_q_lens = jnp.arange(num_seq_slots + 1, dtype=jnp.int32)
         return ragged_paged_attention_reference(
-            q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-            jnp.asarray(num_seq_slots, jnp.int32), causal=True, **options)
+            q,
+            k_pages,
+            v_pages,
+            kv_lens,
+            page_indices,
+            cu_q_lens,
+            jnp.asarray(num_seq_slots, jnp.int32),
+            causal=True,
+            **options,
+        )
     kernel = _load("decode", implementation)
     with quiet_triton_deprecation():
-        return kernel(q, k_pages, v_pages, kv_lens, page_indices, num_splits=num_splits,
-                      **options, config=config, interpret=interpret)
+        return kernel(
+            q,
+            k_pages,
+            v_pages,
+            kv_lens,
+            page_indices,
+            num_splits=num_splits,
+            **options,
+            config=config,
+            interpret=interpret,
+        )
 
 
 def merge_attention_states(

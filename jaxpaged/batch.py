@@ -39,7 +39,9 @@ def validate_batch(q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> No
         s = int(np.argmax(q_lens < 0))
         raise ValueError(f"cu_q_lens must be non-decreasing: cu_q_lens[{s + 1}] < cu_q_lens[{s}]")
     if cu[n] > num_tokens:
-        raise ValueError(f"cu_q_lens[num_seqs={n}] = {cu[n]} exceeds the T={num_tokens} tokens of q")
+        raise ValueError(
+            f"cu_q_lens[num_seqs={n}] = {cu[n]} exceeds the T={num_tokens} tokens of q"
+        )
     capacity = pages_per_seq * page_size
     owner: dict[int, int] = {}
     written: dict[int, int] = {}
@@ -47,17 +49,20 @@ def validate_batch(q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> No
         q_len, kv_len = int(q_lens[s]), int(kv_lens[s])
         if q_len > kv_len:
             raise ValueError(
-                f"sequence {s}: q_len {q_len} > kv_len {kv_len} (kv_lens counts the new tokens)")
+                f"sequence {s}: q_len {q_len} > kv_len {kv_len} (kv_lens counts the new tokens)"
+            )
         if kv_len > capacity:
             raise ValueError(
                 f"sequence {s}: kv_len {kv_len} exceeds the page table's capacity "
-                f"pages_per_seq * page_size = {capacity}")
+                f"pages_per_seq * page_size = {capacity}"
+            )
         used = page_indices[s, : -(-kv_len // page_size)]
         bad = (used < 0) | (used >= num_pages)
         if np.any(bad):
             j = int(np.argmax(bad))
             raise ValueError(
-                f"sequence {s}: page_indices[{s}, {j}] = {used[j]} is outside [0, P={num_pages})")
+                f"sequence {s}: page_indices[{s}, {j}] = {used[j]} is outside [0, P={num_pages})"
+            )
         for page in used.tolist():
             owner.setdefault(page, s)
         first_new = (kv_len - q_len) // page_size
@@ -69,4 +74,5 @@ def validate_batch(q, k_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> No
             if page in written and written[page] != s:
                 raise ValueError(
                     f"page {page} receives new tokens of sequence {written[page]} but is also "
-                    f"used by sequence {s}")
+                    f"used by sequence {s}"
+                )

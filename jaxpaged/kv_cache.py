@@ -38,7 +38,8 @@ def append_kv(
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(
-            f"k and v must have shape [T, Hkv={num_kv_heads}, D={head_dim}]; got {k.shape}, {v.shape}"
+            f"k and v must have shape [T, Hkv={num_kv_heads}, D={head_dim}]; "
+            f"got {k.shape}, {v.shape}"
         )
     if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
         raise TypeError(
@@ -47,8 +48,13 @@ def append_kv(
     num_tokens = k.shape[0]
     pages_per_seq = page_indices.shape[1]
     meta = sanitize_metadata(
-        kv_lens, page_indices, cu_q_lens, jnp.asarray(num_seqs, jnp.int32),
-        num_tokens=num_tokens, num_pages=num_pages, page_size=page_size,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        jnp.asarray(num_seqs, jnp.int32),
+        num_tokens=num_tokens,
+        num_pages=num_pages,
+        page_size=page_size,
     )
     seq, pos, live = token_positions(meta.cu_q_lens, meta.kv_lens, num_tokens)
     page_slot = pos // page_size

@@ -14,8 +14,11 @@ import jax
 import jax.numpy as jnp
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=(
-    "free", "page_indices", "kv_lens", "num_owned"), meta_fields=("page_size",))
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("free", "page_indices", "kv_lens", "num_owned"),
+    meta_fields=("page_size",),
+)
 @dataclasses.dataclass(frozen=True)
 class PagePool:
     """Page ownership for up to `max_seqs` sequence slots.
@@ -49,8 +52,12 @@ class PagePool:
 
 def create_pool(num_pages: int, page_size: int, max_seqs: int, pages_per_seq: int) -> PagePool:
     """An empty pool of `num_pages` pages for `max_seqs` slots of up to `pages_per_seq` pages."""
-    for name, value in (("num_pages", num_pages), ("page_size", page_size),
-                        ("max_seqs", max_seqs), ("pages_per_seq", pages_per_seq)):
+    for name, value in (
+        ("num_pages", num_pages),
+        ("page_size", page_size),
+        ("max_seqs", max_seqs),
+        ("pages_per_seq", pages_per_seq),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1; got {value!r}")
     return PagePool(
@@ -68,20 +75,25 @@ def reserve(pool: PagePool, seq_ids: jax.Array, new_lens: jax.Array) -> tuple[Pa
 
     Args:
       pool: the pool (donated).
-      seq_ids: i32[N] slots; a slot may repeat (its largest length counts).
+      seq_ids: i32[N] slots; a slot may repeat (its largest length counts); a negative id is
+        padding and ignored.
       new_lens: i32[N] lengths after this step's tokens; a length never shrinks here.
 
     Returns:
-      `(pool, ok)`. When a slot id is outside [0, max_seqs), a length outside
+      `(pool, ok)`. When a slot id is >= max_seqs, a length outside
       [0, pages_per_seq * page_size], or the free pages do not cover every request, `ok` is
       False and the pool comes back unchanged.
     """
     seq_ids = jnp.asarray(seq_ids, jnp.int32)
     new_lens = jnp.asarray(new_lens, jnp.int32)
     capacity = pool.pages_per_seq * pool.page_size
-    in_range = (seq_ids >= 0) & (seq_ids < pool.max_seqs)
-    valid = jnp.all(in_range) & jnp.all((new_lens >= 0) & (new_lens <= capacity))
-    target = pool.kv_lens.at[_slot_or_oob(pool, seq_ids)].max(jnp.clip(new_lens, 0, capacity), mode="drop")
+    padding = seq_ids < 0
+    valid = jnp.all(
+        padding | ((seq_ids < pool.max_seqs) & (new_lens >= 0) & (new_lens <= capacity))
+    )
+    target = pool.kv_lens.at[_slot_or_oob(pool, seq_ids)].max(
+        jnp.clip(new_lens, 0, capacity), mode="drop"
+    )
     extra = jnp.maximum(0, -(-target // pool.page_size) - pool.num_owned)
     ok = valid & (jnp.sum(extra) <= jnp.sum(pool.free))
 
@@ -92,8 +104,11 @@ def reserve(pool: PagePool, seq_ids: jax.Array, new_lens: jax.Array) -> tuple[Pa
     owned = pool.num_owned[:, None]
     fresh = (k >= owned) & (k < owned + extra[:, None])
     fresh_ids = free_ids[jnp.clip(first[:, None] + k - owned, 0, pool.num_pages - 1)]
-    taken = jnp.zeros_like(pool.free).at[jnp.where(fresh, fresh_ids, pool.num_pages)].set(
-        True, mode="drop")
+    taken = (
+        jnp.zeros_like(pool.free)
+        .at[jnp.where(fresh, fresh_ids, pool.num_pages)]
+        .set(True, mode="drop")
+    )
     grown = PagePool(
         free=pool.free & ~taken,
         page_indices=jnp.where(fresh, fresh_ids, pool.page_indices),
@@ -108,12 +123,14 @@ def reserve(pool: PagePool, seq_ids: jax.Array, new_lens: jax.Array) -> tuple[Pa
 def release(pool: PagePool, seq_ids: jax.Array) -> PagePool:
     """Free every page of the slots `seq_ids` (i32[N]; ids outside [0, max_seqs) are ignored)
     and empty those slots."""
-    gone = jnp.zeros((pool.max_seqs,), bool).at[_slot_or_oob(pool, seq_ids)].set(
-        True, mode="drop")
+    gone = jnp.zeros((pool.max_seqs,), bool).at[_slot_or_oob(pool, seq_ids)].set(True, mode="drop")
     k = jnp.arange(pool.pages_per_seq)[None, :]
     returned = gone[:, None] & (k < pool.num_owned[:, None])
-    back = jnp.zeros_like(pool.free).at[
-        jnp.where(returned, pool.page_indices, pool.num_pages)].set(True, mode="drop")
+    back = (
+        jnp.zeros_like(pool.free)
+        .at[jnp.where(returned, pool.page_indices, pool.num_pages)]
+        .set(True, mode="drop")
+    )
     return PagePool(
         free=pool.free | back,
         page_indices=jnp.where(gone[:, None], -1, pool.page_indices),

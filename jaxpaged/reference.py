@@ -56,8 +56,13 @@ def ragged_paged_attention_reference(
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     meta = sanitize_metadata(
-        kv_lens, page_indices, cu_q_lens, num_seqs,
-        num_tokens=num_tokens, num_pages=num_pages, page_size=page_size,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        num_tokens=num_tokens,
+        num_pages=num_pages,
+        page_size=page_size,
     )
     seq, pos, live = token_positions(meta.cu_q_lens, meta.kv_lens, num_tokens)
     max_len = meta.page_indices.shape[1] * page_size
@@ -65,8 +70,13 @@ def ragged_paged_attention_reference(
 
     def attend(args):
         q_t, s, p, alive = args  # [Hq, D], scalars
-        keys_ok = visible(p, key_pos, jnp.where(alive, meta.kv_lens[s], 0),
-                          causal=causal, sliding_window=sliding_window)  # [L]
+        keys_ok = visible(
+            p,
+            key_pos,
+            jnp.where(alive, meta.kv_lens[s], 0),
+            causal=causal,
+            sliding_window=sliding_window,
+        )  # [L]
         pages = meta.page_indices[s]
         k = k_pages[pages].reshape(max_len, num_kv_heads, head_dim)
         v = v_pages[pages].reshape(max_len, num_kv_heads, head_dim)

@@ -122,7 +122,9 @@ def merge_partial_states(
     empty = denom == 0.0
     weighted = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0), axis=axis)
     out = weighted / jnp.where(empty, 1.0, denom)[..., None]
-    lse = jnp.where(empty, -jnp.inf, jnp.squeeze(m_safe, axis) + jnp.log(jnp.where(empty, 1.0, denom)))
+    lse = jnp.where(
+        empty, -jnp.inf, jnp.squeeze(m_safe, axis) + jnp.log(jnp.where(empty, 1.0, denom))
+    )
     return out, lse
 
 

@@ -30,8 +30,15 @@ class Batch:
     num_seqs: jax.Array
 
     def args(self):
-        return (self.q, self.k_pages, self.v_pages, self.kv_lens, self.page_indices,
-                self.cu_q_lens, self.num_seqs)
+        return (
+            self.q,
+            self.k_pages,
+            self.v_pages,
+            self.kv_lens,
+            self.page_indices,
+            self.cu_q_lens,
+            self.num_seqs,
+        )
 
 
 def make_batch(
@@ -63,14 +70,14 @@ def make_batch(
     used = np.zeros(num_pages, bool)
     at = 0
     for s, n in enumerate(pages_needed):
-        table[s, :n] = perm[at: at + n]
-        used[perm[at: at + n]] = True
+        table[s, :n] = perm[at : at + n]
+        used[perm[at : at + n]] = True
         at += n
     q_lens = [ql for ql, _ in seqs]
     num_tokens = sum(q_lens) + pad_tokens
     cu = np.zeros(num_slots + 1, np.int32)
-    cu[1: num_live + 1] = np.cumsum(q_lens)
-    cu[num_live + 1:] = rng.integers(-5, 1000, size=pad_seqs)  # garbage after num_seqs
+    cu[1 : num_live + 1] = np.cumsum(q_lens)
+    cu[num_live + 1 :] = rng.integers(-5, 1000, size=pad_seqs)  # garbage after num_seqs
     kv_lens = np.concatenate([[kv for _, kv in seqs], rng.integers(-3, 10**6, size=pad_seqs)])
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     k = rng.standard_normal(shape).astype(np.float32)
@@ -85,14 +92,17 @@ def make_batch(
             v[page, j % page_size] = np.nan
     q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32)
     return Batch(
-        q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k, dtype), v_pages=jnp.asarray(v, dtype),
-        kv_lens=jnp.asarray(kv_lens, jnp.int32), page_indices=jnp.asarray(table),
-        cu_q_lens=jnp.asarray(cu), num_seqs=jnp.asarray(num_live, jnp.int32),
+        q=jnp.asarray(q, dtype),
+        k_pages=jnp.asarray(k, dtype),
+        v_pages=jnp.asarray(v, dtype),
+        kv_lens=jnp.asarray(kv_lens, jnp.int32),
+        page_indices=jnp.asarray(table),
+        cu_q_lens=jnp.asarray(cu),
+        num_seqs=jnp.asarray(num_live, jnp.int32),
     )
 
 
-def oracle(batch: Batch, *, sm_scale=None, causal=True, sliding_window=None,
-           logits_soft_cap=None):
+def oracle(batch: Batch, *, sm_scale=None, causal=True, sliding_window=None, logits_soft_cap=None):
     """Attention by a float64 loop over sequences, tokens and heads: (out, lse) as numpy."""
     q = np.asarray(batch.q.astype(jnp.float32), np.float64)
     k = np.asarray(batch.k_pages.astype(jnp.float32), np.float64)
@@ -100,7 +110,7 @@ def oracle(batch: Batch, *, sm_scale=None, causal=True, sliding_window=None,
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads
-    scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
     cu = np.asarray(batch.cu_q_lens)
     kv_lens = np.asarray(batch.kv_lens)
     table = np.asarray(batch.page_indices)
@@ -115,9 +125,11 @@ def oracle(batch: Batch, *, sm_scale=None, causal=True, sliding_window=None,
             t = cu[s] + i
             p = kv_len - q_len + i
             for h in range(num_q_heads):
-                cols = [j for j in range(kv_len)
-                        if (not causal or j <= p)
-                        and (sliding_window is None or j > p - sliding_window)]
+                cols = [
+                    j
+                    for j in range(kv_len)
+                    if (not causal or j <= p) and (sliding_window is None or j > p - sliding_window)
+                ]
                 if not cols:
                     continue
                 logits = ks[cols, h // group] @ q[t, h] * scale
@@ -144,8 +156,9 @@ def assert_close(out, lse, ref_out, ref_lse, dtype):
         assert not np.isnan(lse).any(), "NaN in LSE"
         assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)), "empty rows differ"
         finite = np.isfinite(ref_lse)
-        np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=LSE_TOL[dtype],
-                                   rtol=LSE_TOL[dtype])
+        np.testing.assert_allclose(
+            lse[finite], ref_lse[finite], atol=LSE_TOL[dtype], rtol=LSE_TOL[dtype]
+        )
 
 
 def lower_for_cuda(fn, *args, compute_capability: int = 90) -> str:
@@ -160,8 +173,11 @@ def lower_for_cuda(fn, *args, compute_capability: int = 90) -> str:
     class _Hopper:
         @staticmethod
         def get_gpu_info():
-            return gpu_info.GpuInfo(gpu_version=None, arch_name=f"{compute_capability / 10:.1f}",
-                                    compute_capability=compute_capability)
+            return gpu_info.GpuInfo(
+                gpu_version=None,
+                arch_name=f"{compute_capability / 10:.1f}",
+                compute_capability=compute_capability,
+            )
 
     saved = pallas_call_registration.gpu_info_lib
     pallas_call_registration.gpu_info_lib = _Hopper

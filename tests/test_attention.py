@@ -38,14 +38,22 @@ def _require(backend, op):
 def _ragged(backend, batch, **kw):
     with poison_outputs():
         return jaxpaged.ragged_paged_attention(
-            *batch.args(), return_lse=True, implementation=backend, **kw)
+            *batch.args(), return_lse=True, implementation=backend, **kw
+        )
 
 
 def _decode(backend, batch, **kw):
     with poison_outputs():
         return jaxpaged.paged_decode_attention(
-            batch.q, batch.k_pages, batch.v_pages, batch.kv_lens, batch.page_indices,
-            return_lse=True, implementation=backend, **kw)
+            batch.q,
+            batch.k_pages,
+            batch.v_pages,
+            batch.kv_lens,
+            batch.page_indices,
+            return_lse=True,
+            implementation=backend,
+            **kw,
+        )
 
 
 RAGGED_FEATURES = [
@@ -71,19 +79,27 @@ def test_ragged_features(backend, features, dtype):
 SHAPES = [  # (Hq, Hkv, D, page_size)
     (q_heads, kv_heads, d, ps)
     for (q_heads, kv_heads), d, ps in itertools.product(
-        [(4, 4), (8, 2), (8, 1)], [64, 128, 256], [16, 64])
+        [(4, 4), (8, 2), (8, 1)], [64, 128, 256], [16, 64]
+    )
 ]
 
 
 @pytest.mark.parametrize("backend", _backends("ragged"))
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq%d-hkv%d-d%d-ps%d" % s)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq{}-hkv{}-d{}-ps{}".format(*s))
 def test_ragged_shapes(backend, shape):
     _require(backend, "ragged")
     num_q_heads, num_kv_heads, head_dim, page_size = shape
     rng = np.random.default_rng(hash(shape) % 2**32)
     seqs = [(1, 70), (9, page_size + 3), (page_size, 2 * page_size), (0, 0), (12, 12)]
-    batch = make_batch(rng, seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                       head_dim=head_dim, page_size=page_size, dtype=jnp.bfloat16)
+    batch = make_batch(
+        rng,
+        seqs,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=jnp.bfloat16,
+    )
     out, lse = _ragged(backend, batch)
     assert_close(out, lse, *oracle(batch), jnp.bfloat16)
 
@@ -97,8 +113,15 @@ def test_chunk_on_prefix_every_alignment(backend, prefix):
     chunk = 11
     whole = make_batch(rng, [(prefix + chunk, prefix + chunk)], pad_seqs=0, pad_tokens=0)
     part = jaxpaged.ragged_paged_attention(
-        whole.q[prefix:], whole.k_pages, whole.v_pages, whole.kv_lens, whole.page_indices,
-        jnp.array([0, chunk], jnp.int32), 1, implementation=backend)
+        whole.q[prefix:],
+        whole.k_pages,
+        whole.v_pages,
+        whole.kv_lens,
+        whole.page_indices,
+        jnp.array([0, chunk], jnp.int32),
+        1,
+        implementation=backend,
+    )
     full = jaxpaged.ragged_paged_attention(*whole.args(), implementation=backend)
     np.testing.assert_allclose(np.asarray(part), np.asarray(full[prefix:]), atol=2e-5, rtol=2e-5)
     assert_close(part, None, oracle(whole)[0][prefix:], None, jnp.float32)
@@ -111,8 +134,16 @@ def test_decode(backend, page_size, features):
     _require(backend, "decode")
     rng = np.random.default_rng(page_size)
     lens = [0, 1, page_size - 1, page_size, page_size + 1, 5 * page_size + 7, 300]
-    batch = make_batch(rng, [(1, n) for n in lens], page_size=page_size, num_q_heads=8,
-                       num_kv_heads=2, head_dim=64, pad_tokens=0, pad_seqs=0)
+    batch = make_batch(
+        rng,
+        [(1, n) for n in lens],
+        page_size=page_size,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        pad_tokens=0,
+        pad_seqs=0,
+    )
     # kv_len 0 is an inactive slot but still has one (ignored) query token.
     out, lse = _decode(backend, batch, **features)
     ref_out, ref_lse = oracle(batch, **features)
@@ -122,8 +153,14 @@ def test_decode(backend, page_size, features):
 def test_decode_equals_ragged_with_one_token_each():
     rng = np.random.default_rng(5)
     batch = make_batch(rng, [(1, n) for n in (3, 40, 17)], pad_tokens=0, pad_seqs=0)
-    a = jaxpaged.paged_decode_attention(batch.q, batch.k_pages, batch.v_pages, batch.kv_lens,
-                                        batch.page_indices, implementation="xla")
+    a = jaxpaged.paged_decode_attention(
+        batch.q,
+        batch.k_pages,
+        batch.v_pages,
+        batch.kv_lens,
+        batch.page_indices,
+        implementation="xla",
+    )
     b = jaxpaged.ragged_paged_attention(*batch.args(), implementation="xla")
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -133,16 +170,29 @@ def test_merge_attention_states_matches_union():
     rng = np.random.default_rng(7)
     batch = make_batch(rng, [(4, 40), (2, 33)], pad_seqs=0, pad_tokens=0, page_size=16)
     ref_out, ref_lse = oracle(batch, causal=False)
+
     def attend(kv_lens, page_indices):
         return jaxpaged.ragged_paged_attention(
-            batch.q, batch.k_pages, batch.v_pages, kv_lens, page_indices, batch.cu_q_lens,
-            batch.num_seqs, causal=False, return_lse=True, implementation="xla")
+            batch.q,
+            batch.k_pages,
+            batch.v_pages,
+            kv_lens,
+            page_indices,
+            batch.cu_q_lens,
+            batch.num_seqs,
+            causal=False,
+            return_lse=True,
+            implementation="xla",
+        )
+
     out_a, lse_a = attend(jnp.minimum(batch.kv_lens, 16), batch.page_indices)
     out_b, lse_b = attend(batch.kv_lens - 16, batch.page_indices[:, 1:])
     out, lse = jaxpaged.merge_attention_states(out_a, lse_a, out_b, lse_b)
     assert_close(out, lse, ref_out, ref_lse, jnp.float32)
     # An empty state is the identity.
-    out_e, lse_e = jaxpaged.merge_attention_states(out_a, lse_a, out_b, jnp.full_like(lse_b, -jnp.inf))
+    out_e, lse_e = jaxpaged.merge_attention_states(
+        out_a, lse_a, out_b, jnp.full_like(lse_b, -jnp.inf)
+    )
     np.testing.assert_allclose(np.asarray(out_e), np.asarray(out_a), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse_e), np.asarray(lse_a), rtol=1e-6)
 

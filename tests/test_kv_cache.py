@@ -1,0 +1,88 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpaged
+from tests.helpers import make_batch
+
+
+def _expected(batch, k_new, v_new, page_indices):
+    """Float64-free numpy loop: the pages after writing every live token at its slot."""
+    k = np.array(batch.k_pages)
+    v = np.array(batch.v_pages)
+    page_size = k.shape[1]
+    cu = np.asarray(batch.cu_q_lens)
+    kv_lens = np.asarray(batch.kv_lens)
+    for s in range(int(batch.num_seqs)):
+        q_len = cu[s + 1] - cu[s]
+        for i in range(q_len):
+            pos = kv_lens[s] - q_len + i
+            page = page_indices[s, pos // page_size]
+            k[page, pos % page_size] = np.asarray(k_new[cu[s] + i])
+            v[page, pos % page_size] = np.asarray(v_new[cu[s] + i])
+    return k, v
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_append_writes_exactly_the_new_slots(dtype, page_size):
+    rng = np.random.default_rng(page_size)
+    seqs = [(1, 9), (6, 6), (0, 5), (5, 13), (page_size, 2 * page_size), (0, 0)]
+    batch = make_batch(rng, seqs, page_size=page_size, dtype=dtype, pad_tokens=4, pad_seqs=2)
+    num_tokens = batch.q.shape[0]
+    k_new = jnp.asarray(rng.standard_normal((num_tokens, 2, 64)), dtype)
+    v_new = jnp.asarray(rng.standard_normal((num_tokens, 2, 64)), dtype)
+    want_k, want_v = _expected(batch, k_new, v_new, np.asarray(batch.page_indices))
+    k, v = jaxpaged.append_kv(
+        batch.k_pages,
+        batch.v_pages,
+        k_new,
+        v_new,
+        batch.kv_lens,
+        batch.page_indices,
+        batch.cu_q_lens,
+        batch.num_seqs,
+    )
+    # Bit for bit, so that untouched NaN slots must stay exactly as they were.
+    np.testing.assert_array_equal(_bits(k), _bits(want_k))
+    np.testing.assert_array_equal(_bits(v), _bits(want_v))
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def test_append_drops_writes_outside_the_pool_or_table():
+    rng = np.random.default_rng(0)
+    batch = make_batch(rng, [(3, 7), (2, 2)], page_size=4, pad_tokens=0, pad_seqs=0)
+    k_new = jnp.asarray(rng.standard_normal((5, 2, 64)), jnp.float32)
+    table = np.asarray(batch.page_indices).copy()
+    table[0, 1] = batch.k_pages.shape[0] + 5  # out of the pool: positions 4..6 of sequence 0
+    table[1, 0] = -1  # negative: all of sequence 1
+    before = _bits(batch.k_pages)
+    k, _ = jaxpaged.append_kv(
+        batch.k_pages,
+        batch.v_pages,
+        k_new,
+        k_new,
+        batch.kv_lens,
+        jnp.asarray(table),
+        batch.cu_q_lens,
+        batch.num_seqs,
+    )
+    # Sequence 0 writes positions 4..6 (its second page, now outside the pool) and sequence 1
+    # positions 0..1 (page -1): nothing may land anywhere.
+    np.testing.assert_array_equal(_bits(k), before)
+
+
+def test_append_updates_donated_pages_in_place():
+    rng = np.random.default_rng(1)
+    batch = make_batch(rng, [(2, 5)], page_size=4, pad_tokens=0, pad_seqs=0)
+    k_new = jnp.asarray(rng.standard_normal((2, 2, 64)), jnp.float32)
+    args = (k_new, k_new, batch.kv_lens, batch.page_indices, batch.cu_q_lens, batch.num_seqs)
+    hlo = jaxpaged.append_kv.lower(batch.k_pages, batch.v_pages, *args).compile().as_text()
+    assert "input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }" in hlo
+    k_pages = batch.k_pages
+    jaxpaged.append_kv(k_pages, batch.v_pages, *args)
+    assert k_pages.is_deleted()
