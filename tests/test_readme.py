@@ -1,0 +1,15 @@
+"""The README's Python example runs as written."""
+
+import re
+from pathlib import Path
+
+
+def test_readme_example_runs():
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "README has no python example"
+    for block in blocks:
+        namespace: dict = {}
+        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    assert namespace["out"].shape == (6, 8, 128)
+    assert bool(namespace["ok"])
