@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import math
 import warnings
 from collections.abc import Callable
@@ -91,7 +92,10 @@ def available_implementations(op: str = "ragged") -> tuple[str, ...]:
 
 
 def _module_exists(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def _resolve(op: str, implementation: str | None) -> str:
