@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call on the H200: GPU tests and/or benchmarks, everything logged under $OUT.
+#   bash benchmarks/run_h200.sh tests prefill decode mosaic e2e
+# Each step is independent: a failing one is reported and the next still runs.
+set -u -o pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jaxpaged-out}
+mkdir -p "$OUT"
+python3 -c 'import jax; print(jax.__version__, jax.devices())'
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+status=0
+for step in "$@"; do
+  echo "=== $step ($(date +%T))"
+  case "$step" in
+    tests) python3 -m pytest -m gpu -q -x --durations=10 -p no:cacheprovider ${PYTEST_ARGS:-} ;;
+    tests-all) python3 -m pytest -m gpu -q --durations=10 -p no:cacheprovider ${PYTEST_ARGS:-} ;;
+    prefill) python3 -m benchmarks.prefill --out "$OUT/prefill.json" ;;
+    decode) python3 -m benchmarks.decode --out "$OUT/decode.json" ;;
+    mosaic) python3 -m benchmarks.mosaic_decode --out "$OUT/mosaic_decode.json" ;;
+    e2e) python3 -m benchmarks.e2e --out "$OUT/e2e.json" ;;
+    demo) python3 -m models.generate --config tiny --json ;;
+    *) echo "unknown step $step"; false ;;
+  esac
+  rc=$?
+  echo "=== $step rc=$rc ($(date +%T))"
+  [ $rc -eq 0 ] || status=1
+done
+exit $status
