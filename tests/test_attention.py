@@ -127,11 +127,18 @@ def test_chunk_on_prefix_every_alignment(backend, prefix):
     assert_close(part, None, oracle(whole)[0][prefix:], None, jnp.float32)
 
 
+# Mosaic GPU kernels use wgmma, which has no float32 operands: bf16/f16 only.
+_DTYPE_LIMITS = {"mosaic": (jnp.bfloat16, jnp.float16)}
+
+
 @pytest.mark.parametrize("backend", _backends("decode"))
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("features", RAGGED_FEATURES[:4], ids=lambda f: "-".join(f) or "plain")
-def test_decode(backend, page_size, features):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_decode(backend, page_size, features, dtype):
     _require(backend, "decode")
+    if dtype not in _DTYPE_LIMITS.get(backend, DTYPES):
+        pytest.skip(f"{backend} takes {_DTYPE_LIMITS[backend]} only")
     rng = np.random.default_rng(page_size)
     lens = [0, 1, page_size - 1, page_size, page_size + 1, 5 * page_size + 7, 300]
     batch = make_batch(
@@ -141,13 +148,14 @@ def test_decode(backend, page_size, features):
         num_q_heads=8,
         num_kv_heads=2,
         head_dim=64,
+        dtype=dtype,
         pad_tokens=0,
         pad_seqs=0,
     )
     # kv_len 0 is an inactive slot but still has one (ignored) query token.
     out, lse = _decode(backend, batch, **features)
     ref_out, ref_lse = oracle(batch, **features)
-    assert_close(out, lse, ref_out, ref_lse, jnp.float32)
+    assert_close(out, lse, ref_out, ref_lse, dtype)
 
 
 def test_decode_equals_ragged_with_one_token_each():

@@ -1,0 +1,1 @@
+"""Pallas kernels lowered through Triton (sm80+; interpret mode on machines without a GPU)."""
