@@ -1,0 +1,483 @@
+"""Split-KV paged decode attention for Hopper (sm_90), lowered through Mosaic GPU.
+
+One program per (KV head, split, sequence slot), two warpgroups per program:
+
+* the copy warpgroup reads page ids from the page table and brings every page of K and V into
+  shared memory with its own TMA copy (a `[page_size, D]` box of the strided view
+  `k_pages[page, :, kv_head, :]`), `block_kv // page_size` pages per pipeline step and
+  `num_stages` steps ahead of compute;
+* the compute warpgroup holds the GQA group's query heads as the rows of a 64-row score tile
+  (the `wgmma` M; rows past the group are discarded), runs `wgmma` for Q K^T and P V with a
+  base-2 online softmax in between, releases each stage as soon as its product is done, and
+  writes its group's rows straight into the final layout (`[S, Hq, D]`, or `[S, splits, Hq, D]`
+  partials).
+
+Split `i` covers the fixed pipeline steps `[i * chunk, (i + 1) * chunk)` of the visible range
+(a split past a short sequence's end loops zero times), so that in a ragged batch no program
+is longer than one chunk. With one split the kernel's outputs are final and the call launches
+no XLA kernel at all (page-table and length clamps happen in the kernel); with more, the f32
+partials are merged in XLA by `pallas_kernels.common.merge_partial_states`. Bytes past `kv_len`
+(the tail of the last page, pages named by garbage table entries, keys before a sliding
+window) may be loaded, but never reach the output: their logits are replaced by -inf and, on
+the at most two steps per sequence that hold such rows, their V rows are zeroed in shared memory
+before the P V product (P is exactly 0 there, but 0 * NaN is NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import (
+    LOG2E,
+    apply_soft_cap,
+    finalize,
+    merge_partial_states,
+    online_softmax_step,
+    poison_enabled,
+    poisoned,
+    visible,
+)
+
+NUM_SMS = 132  # H100 SXM and H200.
+_TILE_M = 64  # `wgmma` M: the rows of the score tile.
+_SWIZZLE = 128  # bytes; every supported D is a multiple of the 64 16-bit elements this spans.
+_SWIZZLE_ELEMS = _SWIZZLE // 2
+_SMEM_LIMIT = 227 * 1024
+# Shared memory the default configs give the K/V stages: enough bytes in flight per SM for HBM
+# latency at 1/132 of the H200's bandwidth, and one program per SM.
+_DEFAULT_STAGE_BYTES = 128 * 1024
+# A split does at least this many pipeline steps (when the sequence has them): shorter splits
+# spend more time filling and draining the copy pipeline than streaming.
+_MIN_STEPS_PER_SPLIT = 4
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Flipped by the lead once H200 benchmarks show this kernel beats the Triton decode kernel.
+_PREFERRED_ON_SM90 = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeConfig:
+    """Tuning knobs of the Mosaic GPU decode kernel.
+
+    Attributes:
+      block_kv: KV tokens per pipeline step, the N of the Q K^T `wgmma`: a multiple of 64 and
+        of `page_size`, at most 256. Each step copies `block_kv // page_size` pages of K and
+        of V, one TMA copy per page.
+      num_stages: pipeline steps of K and V buffered in shared memory, i.e. how far the copy
+        warpgroup runs ahead of compute. Shared memory per stage is `2 * block_kv * D * 2`
+        bytes.
+    """
+
+    block_kv: int = 128
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if not (isinstance(self.block_kv, int) and self.block_kv % 64 == 0):
+            raise ValueError(f"block_kv must be a multiple of 64; got {self.block_kv!r}")
+        if not 64 <= self.block_kv <= 256:
+            raise ValueError(f"block_kv must be in [64, 256] (wgmma N); got {self.block_kv}")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"num_stages must be an int >= 1; got {self.num_stages!r}")
+
+
+def default_config(head_dim: int) -> MosaicDecodeConfig:
+    """The config used when `config=None`: steps of 128 tokens (64 at D=256) and as many
+    stages as 128 KiB of K/V hold (4 at D=64, 2 at D=128 and 256): the best of the H200 run
+    of 2026-12 at D=128."""
+    block_kv = 128 if head_dim <= 128 else 64
+    stage_bytes = 2 * block_kv * head_dim * 2
+    return MosaicDecodeConfig(block_kv=block_kv, num_stages=_DEFAULT_STAGE_BYTES // stage_bytes)
+
+
+def choose_num_splits(
+    num_seq_slots: int,
+    num_kv_heads: int,
+    max_steps: int,
+    num_sms: int = NUM_SMS,
+) -> int:
+    """KV splits per sequence, from shapes only (static, so one compilation per batch shape).
+
+    `max_steps` is the most pipeline steps a sequence can need (see `_max_steps`). Programs
+    hold most of an SM's shared memory, so one runs per SM: take the most splits that keep the
+    grid within one wave (`num_sms` programs), which hides each program's fixed costs (Q
+    copy, pipeline fill, output write) behind no other program only once; but never make a
+    split shorter than `_MIN_STEPS_PER_SPLIT` steps. Same shape of rule as
+    `pallas_kernels.triton.paged_decode.choose_num_splits`, whose fixed, rounded-up target of
+    8 programs per SM suits its small programs but would give these a second, partial wave.
+
+    >>> choose_num_splits(1, 8, 256)  # B=1, ctx 32768, block_kv 128: 128 programs
+    16
+    """
+    programs = num_seq_slots * num_kv_heads
+    by_length = max(1, max_steps // _MIN_STEPS_PER_SPLIT)
+    return max(1, min(num_sms // programs, by_length))
+
+
+def is_preferred() -> bool:
+    """Whether `implementation=None` may pick this kernel: only on sm_90 devices, and only
+    once benchmarks show it ahead of the Triton decode kernel."""
+    if not _PREFERRED_ON_SM90:
+        return False
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    *,
+    num_splits: int | None = None,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    config: MosaicDecodeConfig | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Split-KV decode over paged KV with TMA page copies and `wgmma` (Hopper only).
+
+    Args:
+      q: [S, Hq, D] bfloat16/float16, the token at position `kv_len - 1` of every slot.
+      k_pages, v_pages: [P, page_size, Hkv, D], q's dtype. D a multiple of 64 up to 256;
+        `page_size` a multiple of 8 that divides `config.block_kv`; Hq // Hkv <= 64.
+      kv_lens: i32[S]; 0 marks an inactive slot.
+      page_indices: i32[S, pages_per_seq].
+      num_splits: KV splits per sequence; None: `choose_num_splits`.
+      sm_scale, sliding_window, logits_soft_cap: as `jaxpaged.paged_decode_attention`.
+      config: `MosaicDecodeConfig`; None: `default_config(D)`.
+      interpret: must be False: Mosaic GPU's interpreter cannot run `wgmma` (jax 0.11.2).
+
+    Returns:
+      `out` [S, Hq, D] in q's dtype and `lse` f32[S, Hq] (natural log); inactive slots give 0
+      and -inf. Invalid metadata inside `jit` may give wrong numbers but no out-of-bounds
+      access (it is clamped as by `pallas_kernels.common.sanitize_metadata`).
+    """
+    num_seq_slots, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    pages_per_seq = page_indices.shape[1]
+    group = num_q_heads // num_kv_heads
+    config = default_config(head_dim) if config is None else config
+    _check(q, page_size, head_dim, group, config, interpret)
+    max_steps = _max_steps(pages_per_seq * page_size, sliding_window, config.block_kv)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seq_slots, num_kv_heads, max_steps)
+    q_rows = _q_rows(group)
+    if num_q_heads < q_rows:
+        # The Q copy is a box of q_rows heads; smaller q gets padded so the box fits. Larger q
+        # needs no copy: TMA reads rows past the end as zeros.
+        q = jnp.pad(q, ((0, 0), (0, q_rows - num_q_heads), (0, 0)))
+
+    if num_splits == 1:
+        partials = ()
+        partial_dtype = q.dtype
+    else:
+        partials = (num_splits,)
+        partial_dtype = jnp.float32
+    out_types = (
+        jax.ShapeDtypeStruct((num_seq_slots, *partials, num_q_heads, head_dim), partial_dtype),
+        jax.ShapeDtypeStruct((num_seq_slots, *partials, num_q_heads), jnp.float32),
+    )
+    body = _make_body(
+        group=group,
+        q_rows=q_rows,
+        page_size=page_size,
+        num_splits=num_splits,
+        chunk=pl.cdiv(max_steps, num_splits),
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        config=config,
+    )
+    tiled = (
+        plgpu.TilingTransform((8, _SWIZZLE_ELEMS)),
+        plgpu.SwizzleTransform(_SWIZZLE),
+    )
+    stages, block_kv = config.num_stages, config.block_kv
+    kv_buffer = plgpu.SMEM((stages, block_kv, head_dim), q.dtype, transforms=tiled)
+    scratch = (
+        plgpu.SMEM((_TILE_M, head_dim), q.dtype, transforms=tiled),
+        # K/V stages and the output staging buffers live at disjoint times.
+        plgpu.RefUnion(
+            (kv_buffer, kv_buffer),
+            (
+                plgpu.SMEM((_TILE_M, head_dim), partial_dtype),
+                plgpu.SMEM((_TILE_M,), jnp.float32),
+            ),
+        ),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+    )
+    kernel_kwargs = dict(
+        scratch_types=scratch,
+        grid=(num_kv_heads, num_splits, num_seq_slots),
+        grid_names=("kv_head", "split", "seq"),
+        num_threads=2,
+        thread_name="wg",
+        # tanh.approx is too coarse for the soft-capped logits' LSE tolerance.
+        compiler_params=plgpu.CompilerParams(approx_math=logits_soft_cap is None),
+    )
+    inputs = (q, k_pages, v_pages, kv_lens, page_indices)
+    if poison_enabled():
+        # Outputs start as NaN so that tests see any element the kernel fails to write: refs
+        # passed in are aliased to the kernel's outputs.
+        out_refs = tuple(jax.new_ref(poisoned(t)) for t in out_types)
+        plgpu.kernel(body, out_type=(), **kernel_kwargs)(*inputs, *out_refs)
+        out, lse = (r[...] for r in out_refs)
+    else:
+        out, lse = plgpu.kernel(body, out_type=out_types, **kernel_kwargs)(*inputs)
+    if num_splits == 1:
+        return out, lse
+    out, lse = merge_partial_states(out, lse, axis=1)
+    return out.astype(q.dtype), lse
+
+
+def _max_steps(max_kv_len: int, sliding_window: int | None, block_kv: int) -> int:
+    """The most pipeline steps one sequence's visible keys can touch: all of the longest
+    sequence the page table holds, or the steps a window can straddle."""
+    steps = pl.cdiv(max_kv_len, block_kv)
+    if sliding_window is not None:
+        steps = min(steps, pl.cdiv(sliding_window - 1, block_kv) + 1)
+    return max(steps, 1)
+
+
+def _make_body(
+    *,
+    group,
+    q_rows,
+    page_size,
+    num_splits,
+    chunk,
+    sm_scale,
+    sliding_window,
+    logits_soft_cap,
+    config,
+):
+    block_kv, stages = config.block_kv, config.num_stages
+    pages_per_step = block_kv // page_size
+
+    def body(
+        q_ref,
+        k_ref,
+        v_ref,
+        lens_ref,
+        table_ref,
+        out_ref,
+        lse_ref,
+        q_smem,
+        union,
+        q_barrier,
+        k_ready,
+        v_ready,
+        k_free,
+        v_free,
+    ):
+        (k_smem, v_smem), (o_smem, lse_smem) = union
+        kv_head = lax.axis_index("kv_head")
+        split = lax.axis_index("split")
+        seq = lax.axis_index("seq")
+        num_pages = k_ref.shape[0]
+        pages_per_seq = table_ref.shape[1]
+        # The clamps of `sanitize_metadata`, done here to save XLA kernels per call: bad
+        # metadata gives wrong numbers, never an out-of-bounds read.
+        kv_len = jnp.clip(lens_ref[seq], 0, pages_per_seq * page_size)
+        # Steps [first, end) hold every visible key; this split takes `chunk` of them.
+        if sliding_window is None:
+            first = jnp.int32(0)
+        else:
+            first = jnp.maximum(kv_len - sliding_window, 0) // block_kv
+        end = pl.cdiv(kv_len, block_kv)
+        step0 = first + split * chunk
+        num_steps = jnp.clip(end - step0, 0, chunk)
+
+        def fill_stage(src, dst, ready, free, i, slot, pages):
+            """One TMA copy per page into stage `slot`, once compute has released it."""
+
+            @pl.when(i >= stages)
+            def _wait_free():
+                plgpu.barrier_wait(free.at[slot])
+
+            for j, page in enumerate(pages):
+                plgpu.copy_gmem_to_smem(
+                    src.at[page, :, kv_head, :],
+                    dst.at[slot, pl.ds(j * page_size, page_size)],
+                    ready.at[slot],
+                )
+
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 1)
+        def _copy_pages():
+            # Table entries past the last page are garbage: reload the last page instead
+            # (an L2 hit); its rows are masked like every row past kv_len.
+            last_page = (jnp.maximum(kv_len, 1) - 1) // page_size
+
+            @pl.loop(0, num_steps)
+            def _step(i):
+                slot = lax.rem(i, stages)
+                first_page = (step0 + i) * pages_per_step
+                pages = [
+                    jnp.clip(
+                        table_ref[seq, jnp.minimum(first_page + j, last_page)], 0, num_pages - 1
+                    )
+                    for j in range(pages_per_step)
+                ]
+                # K first: its stage is released before V's (after Q K^T, not P V).
+                fill_stage(k_ref, k_smem, k_ready, k_free, i, slot, pages)
+                fill_stage(v_ref, v_smem, v_ready, v_free, i, slot, pages)
+
+        @pl.when(wg == 0)
+        def _compute():
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[seq, pl.ds(_q_tile_start(kv_head, group), q_rows)],
+                q_smem.at[pl.ds(0, q_rows)],
+                q_barrier,
+            )
+            head_dim = q_smem.shape[-1]
+            acc = plgpu.layout_cast(jnp.zeros((_TILE_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+            row = plgpu.Layout.WGMMA.reduce(1)
+            m = plgpu.layout_cast(jnp.full((_TILE_M,), -jnp.inf, jnp.float32), row)
+            l = plgpu.layout_cast(jnp.zeros((_TILE_M,), jnp.float32), row)
+            plgpu.barrier_wait(q_barrier)
+
+            def step(i, carry):
+                acc, m, l = carry
+                slot = lax.rem(i, stages)
+                start = (step0 + i) * block_kv
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((_TILE_M, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                key = start + plgpu.broadcasted_iota(
+                    jnp.int32, (_TILE_M, block_kv), 1, layout=plgpu.Layout.WGMMA
+                )
+                ok = visible(kv_len - 1, key, kv_len, causal=False, sliding_window=sliding_window)
+                # NaN logits of keys past kv_len are replaced here, never used.
+                logits2 = jnp.where(ok, _logits2(s, sm_scale, logits_soft_cap), -jnp.inf)
+                m, l, alpha, p = online_softmax_step(m, l, logits2)
+                acc = acc * alpha[:, None]
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                has_invisible = start + block_kv > kv_len
+                if sliding_window is not None:
+                    has_invisible |= start <= kv_len - 1 - sliding_window
+
+                @pl.when(has_invisible)
+                def _zero_invisible_v():
+                    v_tile = v_smem.at[slot]
+                    key_of_row = start + plgpu.broadcasted_iota(
+                        jnp.int32, v_tile.shape, 0, layout=plgpu.Layout.WGMMA
+                    )
+                    row_ok = visible(
+                        kv_len - 1,
+                        key_of_row,
+                        kv_len,
+                        causal=False,
+                        sliding_window=sliding_window,
+                    )
+                    v_tile[...] = jnp.where(row_ok, v_tile[...], 0)
+                    plgpu.commit_smem()
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m, l
+
+            acc, m, l = lax.fori_loop(0, num_steps, step, (acc, m, l))
+            out, lse = finalize(acc, m, l)
+            o_smem[...] = out.astype(o_smem.dtype)
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+            # The group sits at rows [tile_row, tile_row + group) of the tile (`_q_tile_start`);
+            # only those rows are written, at the group's heads of the final layout.
+            tile_row = kv_head * group % 8
+            heads = pl.ds(kv_head * group, group)
+            out_dst, lse_dst = (
+                (out_ref, lse_ref)
+                if num_splits == 1
+                else (out_ref.at[:, split], lse_ref.at[:, split])
+            )
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(tile_row, group)], out_dst.at[seq, heads])
+            # A TMA box needs 16-byte rows, more than a small group's LSEs: plain stores.
+            for r in range(group):
+                lse_dst[seq, kv_head * group + r] = lse_smem[tile_row + r]
+            plgpu.wait_smem_to_gmem(0)
+
+    return body
+
+
+def _logits2(s, sm_scale, logits_soft_cap):
+    """Base-2 logits (`online_softmax_step`'s input) from raw scores, in one multiply when
+    there is no soft cap."""
+    if logits_soft_cap is None:
+        return s * (sm_scale * LOG2E)
+    return apply_soft_cap(s * sm_scale, logits_soft_cap) * LOG2E
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _q_tile_start(kv_head, group):
+    """First head of the Q copy of `kv_head`: its group's first head rounded down to a multiple
+    of 8, because a TMA copy into tiled shared memory must start on a tile row. The group then
+    sits at rows `kv_head * group % 8 ...` of the score tile."""
+    return pl.multiple_of(kv_head * group // 8 * 8, 8)
+
+
+def _q_rows(group: int) -> int:
+    """Rows of the Q copy: whole 8-row tiles covering the group at any start offset."""
+    max_offset = 0 if group % 8 == 0 else 8 - math.gcd(group, 8)
+    return _round_up(group + max_offset, 8)
+
+
+def _check(q, page_size, head_dim, group, config, interpret) -> None:
+    if interpret:
+        raise NotImplementedError(
+            "the Mosaic GPU decode kernel has no interpret mode: Mosaic GPU's interpreter "
+            "cannot run wgmma in jax 0.11.2; use implementation='triton' or 'xla' off-GPU"
+        )
+    if jnp.dtype(q.dtype) not in _DTYPES:
+        raise TypeError(
+            f"implementation='mosaic' needs bfloat16 or float16 q, k_pages and v_pages "
+            f"(wgmma operands are 16-bit here); got q.dtype={q.dtype}"
+        )
+    if head_dim % 64 or head_dim > 256:
+        raise ValueError(
+            f"implementation='mosaic' needs a head dim D that is a multiple of 64 up to 256 "
+            f"(128-byte swizzled tiles, wgmma N <= 256); got D={head_dim}"
+        )
+    if page_size % 8 or config.block_kv % page_size:
+        raise ValueError(
+            f"implementation='mosaic' needs a page_size that is a multiple of 8 and divides "
+            f"config.block_kv={config.block_kv}; got page_size={page_size}"
+        )
+    if _q_rows(group) > _TILE_M:
+        raise ValueError(
+            f"implementation='mosaic' needs the query heads of one KV head to fit one 64-row "
+            f"wgmma tile (Hq // Hkv <= 64 for multiples of 8, <= 56 otherwise); got "
+            f"Hq // Hkv = {group}"
+        )
+    itemsize = jnp.dtype(q.dtype).itemsize
+    smem = (2 * config.num_stages * config.block_kv + _TILE_M) * head_dim * itemsize
+    if smem > _SMEM_LIMIT:
+        raise ValueError(
+            f"config {config} needs {smem} bytes of shared memory at D={head_dim}, over "
+            f"{_SMEM_LIMIT}; lower num_stages or block_kv"
+        )

@@ -1,0 +1,289 @@
+"""The Mosaic GPU paged decode kernel (pallas_kernels/mosaic/paged_decode.py).
+
+Without a GPU: the Pallas -> Mosaic GPU lowering runs here for every supported shape (cross-
+lowering for CUDA, which includes Mosaic GPU's layout inference and dialect lowering, but not
+ptxas or a launch), plus the checks that run before tracing. With a GPU (`-m gpu`): results
+against the float64 loop of tests/helpers over the decode feature matrix. The shared decode body
+in tests/test_attention.py runs this kernel too (backend "mosaic-gpu").
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxpaged
+from pallas_kernels.common import poison_outputs
+from pallas_kernels.mosaic import paged_decode as mosaic
+from tests.helpers import assert_close, make_batch, oracle
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+HEADS = [(4, 4), (16, 4), (16, 2)]  # (Hq, Hkv): GQA groups 1, 4, 8
+SHAPES = list(itertools.product([64, 128, 256], HEADS, [16, 64]))
+
+
+def _shape_id(shape):
+    head_dim, (num_q_heads, num_kv_heads), page_size = shape
+    return f"d{head_dim}-hq{num_q_heads}-hkv{num_kv_heads}-ps{page_size}"
+
+
+def _lower_for_hopper(fn, *args) -> str:
+    """Lower `fn(*args)` for CUDA on this machine and return the StableHLO text.
+
+    Mosaic GPU reads the compute capability off the default device and assumes sm_90 when that
+    device is not a GPU, so no pretend device is needed (unlike tests.helpers.lower_for_cuda
+    for Triton).
+    """
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, dtype, *, seqs=3, pages=40):
+    pages_per_seq = 9
+    kv = jax.ShapeDtypeStruct((pages, page_size, num_kv_heads, head_dim), dtype)
+    return (
+        jax.ShapeDtypeStruct((seqs, num_q_heads, head_dim), dtype),
+        kv,
+        kv,
+        jax.ShapeDtypeStruct((seqs,), jnp.int32),
+        jax.ShapeDtypeStruct((seqs, pages_per_seq), jnp.int32),
+    )
+
+
+def _mosaic_fn(**options):
+    options.setdefault("sm_scale", 0.125)
+    return lambda *args: mosaic.paged_decode_attention(*args, **options)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_cross_lowers(shape, dtype):
+    head_dim, (num_q_heads, num_kv_heads), page_size = shape
+    args = _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, dtype)
+    text = _lower_for_hopper(_mosaic_fn(), *args)
+    assert "mosaic_gpu" in text
+
+
+LOWERING_FEATURES = [
+    dict(sliding_window=5),
+    dict(logits_soft_cap=2.5),
+    dict(num_splits=3, sliding_window=70, logits_soft_cap=7.0),
+    dict(config=mosaic.MosaicDecodeConfig(block_kv=128, num_stages=3)),
+    dict(config=mosaic.MosaicDecodeConfig(block_kv=256, num_stages=1), num_splits=2),
+    dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4), num_splits=40),
+]
+
+
+@pytest.mark.parametrize("options", LOWERING_FEATURES, ids=lambda o: "-".join(o))
+def test_cross_lowers_features(options):
+    args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
+    assert "mosaic_gpu" in _lower_for_hopper(_mosaic_fn(**options), *args)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(6, 1), (24, 2), (64, 1), (2, 2)])
+def test_cross_lowers_odd_groups(num_q_heads, num_kv_heads):
+    """Groups that are not a divisor or multiple of 8 start mid-tile, and q with fewer heads
+    than one Q tile gets padded."""
+    args = _abstract_args(64, num_q_heads, num_kv_heads, 16, jnp.float16)
+    assert "mosaic_gpu" in _lower_for_hopper(_mosaic_fn(), *args)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (16, 2), (24, 2)])
+def test_one_split_launches_only_the_kernel(num_q_heads, num_kv_heads):
+    """With one split the kernel writes the final `out` and `lse` (its group's rows at their
+    heads, metadata clamped inside): no XLA op runs around it."""
+    args = _abstract_args(64, num_q_heads, num_kv_heads, 16, jnp.bfloat16)
+    text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    ops = {line.split("=", 1)[-1].split()[0] for line in text.splitlines() if "stablehlo." in line}
+    assert ops == {"stablehlo.custom_call"}, ops
+
+
+def test_cross_lowers_poisoned():
+    """Poisoned outputs are refs aliased to the kernel's outputs."""
+    args = _abstract_args(128, 32, 8, 64, jnp.bfloat16)
+    with poison_outputs():
+        text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    assert "mosaic_gpu" in text
+
+
+def test_float32_is_a_type_error():
+    args = [jnp.zeros(a.shape, a.dtype) for a in _abstract_args(64, 4, 4, 16, jnp.float32)]
+    with pytest.raises(TypeError, match="q.dtype=float32"):
+        mosaic.paged_decode_attention(*args, sm_scale=0.125)
+
+
+@pytest.mark.parametrize(
+    "head_dim,page_size,num_q_heads,config,match",
+    [
+        (96, 16, 4, None, "multiple of 64"),
+        (512, 16, 4, None, "multiple of 64 up to 256"),
+        (64, 12, 4, None, "page_size"),
+        (64, 256, 4, None, "page_size"),
+        (64, 16, 4 * 61, None, "64-row"),
+        (256, 16, 4, mosaic.MosaicDecodeConfig(block_kv=256, num_stages=2), "shared memory"),
+    ],
+)
+def test_unsupported_shapes_are_value_errors(head_dim, page_size, num_q_heads, config, match):
+    num_kv_heads = 4
+    args = _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, jnp.bfloat16)
+    args = [jnp.zeros(a.shape, a.dtype) for a in args]
+    with pytest.raises(ValueError, match=match):
+        mosaic.paged_decode_attention(*args, sm_scale=0.125, config=config)
+
+
+def test_interpret_is_refused():
+    args = [jnp.zeros(a.shape, a.dtype) for a in _abstract_args(64, 4, 4, 16, jnp.bfloat16)]
+    with pytest.raises(NotImplementedError, match="wgmma"):
+        mosaic.paged_decode_attention(*args, sm_scale=0.125, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(block_kv=96),
+        dict(block_kv=512),
+        dict(num_stages=0),
+    ],
+    ids=str,
+)
+def test_config_is_validated(options):
+    with pytest.raises(ValueError):
+        mosaic.MosaicDecodeConfig(**options)
+
+
+def test_not_preferred_yet():
+    """`implementation=None` keeps the Triton kernel until H200 numbers say otherwise."""
+    assert mosaic.is_preferred() is False
+
+
+@pytest.mark.parametrize(
+    "seqs,kv_heads,max_steps,expected",
+    [
+        (64, 8, 32, 1),  # 512 programs already fill 132 SMs
+        (8, 8, 256, 2),  # B=8, ctx 32768: 128 programs, one wave
+        (1, 8, 256, 16),  # B=1, ctx 32768: 128 programs, one wave
+        (1, 8, 7, 1),  # too short to split
+        (2, 1, 16, 4),  # capped by the minimum split length
+    ],
+)
+def test_choose_num_splits(seqs, kv_heads, max_steps, expected):
+    assert mosaic.choose_num_splits(seqs, kv_heads, max_steps) == expected
+
+
+@pytest.mark.parametrize(
+    "head_dim,block_kv,num_stages", [(64, 128, 4), (128, 128, 2), (256, 64, 2)]
+)
+def test_default_config(head_dim, block_kv, num_stages):
+    assert mosaic.default_config(head_dim) == mosaic.MosaicDecodeConfig(block_kv, num_stages)
+
+
+# ---------------------------------------------------------------------------- on the H200
+
+
+def _run(batch, **options):
+    with poison_outputs():
+        return jaxpaged.paged_decode_attention(
+            batch.q,
+            batch.k_pages,
+            batch.v_pages,
+            batch.kv_lens,
+            batch.page_indices,
+            return_lse=True,
+            implementation="mosaic",
+            **options,
+        )
+
+
+def _decode_batch(rng, lens, **kw):
+    return make_batch(rng, [(1, n) for n in lens], pad_tokens=0, pad_seqs=0, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_shapes(shape, dtype):
+    head_dim, (num_q_heads, num_kv_heads), page_size = shape
+    rng = np.random.default_rng(head_dim + page_size + num_q_heads)
+    lens = [0, 1, page_size - 1, page_size + 1, 64, 65, 200, 3 * page_size + 5]
+    batch = _decode_batch(
+        rng,
+        lens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+    )
+    out, lse = _run(batch)
+    assert_close(out, lse, *oracle(batch), dtype)
+
+
+FEATURES = [
+    dict(),
+    dict(sliding_window=1),
+    dict(sliding_window=70),
+    dict(logits_soft_cap=2.5),
+    dict(sm_scale=0.3, sliding_window=19, logits_soft_cap=7.0),
+    dict(num_splits=1),
+    dict(num_splits=5),
+    dict(num_splits=3, sliding_window=100),
+    dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4)),
+    dict(config=mosaic.MosaicDecodeConfig(block_kv=256, num_stages=1), num_splits=2),
+    dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=1)),
+    dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4), num_splits=40),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("features", FEATURES, ids=lambda f: "-".join(f) or "plain")
+def test_features(features, page_size):
+    """Windows, soft cap, scale, forced split counts and configs, with inactive slots and NaN in
+    every unused page and page slot."""
+    rng = np.random.default_rng(page_size)
+    lens = [0, 1, 2, 63, 64, 65, page_size + 1, 5 * page_size + 7, 300, 0]
+    batch = _decode_batch(
+        rng,
+        lens,
+        num_q_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        page_size=page_size,
+        dtype=jnp.bfloat16,
+    )
+    features = {**features}
+    options = {
+        k: features[k] for k in ("sm_scale", "sliding_window", "logits_soft_cap") if k in features
+    }
+    out, lse = _run(batch, **features)
+    assert_close(out, lse, *oracle(batch, **options), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_long_context(page_size):
+    """Thousands of steps per sequence over scattered pages, split across programs."""
+    rng = np.random.default_rng(3)
+    batch = _decode_batch(
+        rng,
+        [20000, 4099, 1, 0],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=page_size,
+        dtype=jnp.bfloat16,
+    )
+    out, lse = _run(batch)
+    assert_close(out, lse, *oracle(batch), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_all_slots_inactive():
+    rng = np.random.default_rng(4)
+    batch = _decode_batch(
+        rng, [0, 0, 0], num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.float16
+    )
+    out, lse = _run(batch)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), 0.0)
+    assert np.isneginf(np.asarray(lse)).all()
