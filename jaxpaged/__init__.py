@@ -6,6 +6,7 @@ Ops (one layer's page pool `k_pages, v_pages [P, page_size, Hkv, D]`):
   append_kv               write a step's new K/V into the pages
   merge_attention_states  combine attention over two disjoint key sets
 State: PagePool with create_pool / reserve / release / batch_metadata.
+Layer: PagedAttention (Flax NNX, GQA + RoPE over one layer's pages) with StepMetadata.
 """
 
 from jaxpaged.attention import (
@@ -14,9 +15,11 @@ from jaxpaged.attention import (
     paged_decode_attention,
     quiet_triton_deprecation,
     ragged_paged_attention,
+    resolve_implementation,
 )
 from jaxpaged.batch import validate_batch
 from jaxpaged.kv_cache import append_kv
+from jaxpaged.layers import PagedAttention, StepMetadata, apply_rope
 from jaxpaged.page_pool import (
     PagePool,
     batch_metadata,
@@ -28,7 +31,10 @@ from jaxpaged.page_pool import (
 
 __all__ = [
     "PagePool",
+    "PagedAttention",
+    "StepMetadata",
     "append_kv",
+    "apply_rope",
     "available_implementations",
     "batch_metadata",
     "create_pool",
@@ -39,6 +45,7 @@ __all__ = [
     "ragged_paged_attention",
     "release",
     "reserve",
+    "resolve_implementation",
     "validate_batch",
 ]
 __version__ = "0.1.0"

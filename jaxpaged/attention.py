@@ -69,15 +69,15 @@ def _load(op: str, name: str) -> Callable[..., Any] | None:
     return getattr(mod, fn)
 
 
-def _preferred(op: str, name: str) -> bool:
-    """Whether `implementation=None` may pick backend `name`: it loads, and its module's
-    optional `is_preferred()` (e.g. "this is an sm90 GPU") agrees."""
+def _preferred(op: str, name: str, dtype) -> bool:
+    """Whether `implementation=None` may pick backend `name` for inputs of `dtype`: it loads,
+    and its module's optional `is_preferred(dtype)` (e.g. "an sm90 GPU and bf16/f16") agrees."""
     if _BACKENDS[op][name] is None:
         return True
     if _load(op, name) is None:
         return False
     preferred = getattr(importlib.import_module(_BACKENDS[op][name][0]), "is_preferred", None)
-    return preferred is None or bool(preferred())
+    return preferred is None or bool(preferred(jnp.dtype(dtype)))
 
 
 def available_implementations(op: str = "ragged") -> tuple[str, ...]:
@@ -98,11 +98,14 @@ def _module_exists(module: str) -> bool:
         return False
 
 
-def _resolve(op: str, implementation: str | None) -> str:
+def resolve_implementation(op: str, implementation: str | None = None, dtype=jnp.bfloat16) -> str:
+    """The backend that `implementation` means for `op` ("ragged" or "decode") and inputs of
+    `dtype` on the default device: `None` resolves to the best available one; an explicit name
+    is returned as is, or raises `ValueError` listing what is available."""
     available = available_implementations(op)
     if implementation is None:
         for name in _PREFERENCE[op].get(_platform(), ("xla",)):
-            if name in available and _preferred(op, name):
+            if name in available and _preferred(op, name, dtype):
                 return name
         return "xla"
     if implementation not in available:
@@ -260,7 +263,7 @@ def ragged_paged_attention(
         )
     num_seqs = _as_num_seqs(num_seqs)
     _check_options(sm_scale, sliding_window, logits_soft_cap)
-    name = _resolve("ragged", implementation)
+    name = resolve_implementation("ragged", implementation, q.dtype)
     out, lse = _ragged_jit(
         q,
         k_pages,
@@ -319,7 +322,7 @@ def paged_decode_attention(
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or an int >= 1; got {num_splits!r}")
     _check_options(sm_scale, sliding_window, logits_soft_cap)
-    name = _resolve("decode", implementation)
+    name = resolve_implementation("decode", implementation, q.dtype)
     out, lse = _decode_jit(
         q,
         k_pages,

@@ -154,7 +154,7 @@ def test_config_is_validated(options):
 
 def test_not_preferred_yet():
     """`implementation=None` keeps the Triton kernel until H200 numbers say otherwise."""
-    assert mosaic.is_preferred() is False
+    assert mosaic.is_preferred(jnp.dtype(jnp.bfloat16)) is False
 
 
 @pytest.mark.parametrize(

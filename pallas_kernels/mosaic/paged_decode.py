@@ -119,10 +119,10 @@ def choose_num_splits(
     return max(1, min(num_sms // programs, by_length))
 
 
-def is_preferred() -> bool:
-    """Whether `implementation=None` may pick this kernel: only on sm_90 devices, and only
-    once benchmarks show it ahead of the Triton decode kernel."""
-    if not _PREFERRED_ON_SM90:
+def is_preferred(dtype: jnp.dtype) -> bool:
+    """Whether `implementation=None` may pick this kernel for inputs of `dtype`: bf16/f16 on
+    sm_90 devices only, and only once benchmarks show it ahead of the Triton decode kernel."""
+    if not _PREFERRED_ON_SM90 or dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return False
     device = jax.devices()[0]
     return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"

@@ -1,0 +1,230 @@
+"""End to end on the H200: the ~1B decoder's prefill and decode through the engine, against the
+same weights run densely (contiguous KV, XLA attention).
+
+    python -m benchmarks.e2e --out benchmarks/results/e2e_h200.json
+
+Prefill: one prompt of `--prompt-len` tokens, single-shot (one step) and in chunks of 256, 512
+and 2048 tokens; tokens/s is the prompt length over the wall time of its steps. Decode: batches
+of 1, 16 and 64 sequences with `--ctx` cached tokens each generate `--new-tokens` greedily;
+tokens/s counts the steps in which every sequence decodes. Both are engine wall times: each step
+includes scheduling, building its inputs and the one host sync that reads the sampled tokens.
+The dense baseline runs the same weights with a contiguous KV cache and
+`jax.nn.dot_product_attention(implementation="xla")`, one jitted call per prefill or decode step
+with the same one sync per step; its single-shot prefill logits are compared with the engine's
+so that the baseline is known to be the same model.
+
+`--smoke` runs the tiny config on small sizes (any machine) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxpaged
+from benchmarks.common import print_table, write_results
+from models.config import CONFIGS, EngineConfig
+from models.decoder import Decoder
+from models.engine import Engine, Stats
+from models.scheduler import SamplingParams
+
+
+def _engine(model, implementation, *, max_seqs, budget, max_len, page_size) -> Engine:
+    pages_per_seq = -(-max_len // page_size)
+    config = EngineConfig(
+        page_size=page_size,
+        num_pages=max_seqs * pages_per_seq,
+        max_seqs=max_seqs,
+        max_tokens_per_step=budget,
+        max_model_len=max_len,
+        chunk_size=budget,
+    )
+    return Engine(model, config, implementation=implementation)
+
+
+def _timed(engine: Engine, prompts, params: SamplingParams) -> Stats:
+    """Compile on a short run of the same step shapes, then time a full one."""
+    engine.generate([p[:2] for p in prompts], dataclasses.replace(params, max_new_tokens=2))
+    engine.stats = Stats()
+    engine.generate(prompts, params)
+    return engine.stats
+
+
+def _dense_layer(layer, x, k_cache, v_cache, positions, kv_lens, *, prefill: bool):
+    """One decoder layer on x [B, T, hidden] with a contiguous cache [B, max_len, Hkv, D]."""
+    attn = layer.attn
+    batch, num_tokens, _ = x.shape
+    h = layer.input_norm(x)
+    q = attn.q_proj(h).reshape(batch * num_tokens, attn.num_q_heads, attn.head_dim)
+    k = attn.k_proj(h).reshape(batch * num_tokens, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(h).reshape(batch, num_tokens, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    flat_pos = positions.reshape(-1)
+    q = jaxpaged.apply_rope(q, flat_pos, attn.rope_theta).reshape(
+        batch, num_tokens, -1, attn.head_dim
+    )
+    k = jaxpaged.apply_rope(k, flat_pos, attn.rope_theta).reshape(v.shape)
+    rows = jnp.arange(batch)[:, None]
+    k_cache = k_cache.at[rows, positions].set(k)
+    v_cache = v_cache.at[rows, positions].set(v)
+    if prefill:  # q_len == kv_len: the top-left causal mask is the right one
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    else:
+        out = jax.nn.dot_product_attention(
+            q, k_cache, v_cache, key_value_seq_lengths=kv_lens, implementation="xla"
+        )
+    x = x + attn.o_proj(out.reshape(batch, num_tokens, -1))
+    return x + layer.mlp(layer.post_attention_norm(x)), k_cache, v_cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prefill"), donate_argnames="caches")
+def _dense_step(graphdef, params, caches, tokens, start, *, prefill):
+    """tokens i32[B, T] at positions start[b] + i; returns next tokens, last logits, caches."""
+    model = nnx.merge(graphdef, params)
+    positions = start[:, None] + jnp.arange(tokens.shape[1])
+    x = model.embed(tokens)
+    new_caches = []
+    for layer, (k_cache, v_cache) in zip(model.layers, caches, strict=True):
+        x, k_cache, v_cache = _dense_layer(
+            layer, x, k_cache, v_cache, positions, start + tokens.shape[1], prefill=prefill
+        )
+        new_caches.append((k_cache, v_cache))
+    logits = model.logits(model.norm(x[:, -1]))
+    return jnp.argmax(logits, -1).astype(jnp.int32), logits, new_caches
+
+
+def _dense_caches(config, batch: int, max_len: int):
+    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    return [
+        (jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
+        for _ in range(config.num_layers)
+    ]
+
+
+def _dense_prefill(model, prompts: np.ndarray, max_len: int):
+    """Single-shot prefill of prompts [B, L]: (seconds, last logits, caches, next tokens)."""
+    graphdef, params = nnx.split(model)
+    start = jnp.zeros(prompts.shape[0], jnp.int32)
+    run = functools.partial(
+        _dense_step, graphdef, params, tokens=jnp.asarray(prompts), start=start, prefill=True
+    )
+    jax.block_until_ready(run(_dense_caches(model.config, prompts.shape[0], max_len)))
+    caches = _dense_caches(model.config, prompts.shape[0], max_len)
+    t0 = time.perf_counter()
+    tokens, logits, caches = run(caches)
+    tokens = np.asarray(tokens)
+    return time.perf_counter() - t0, np.asarray(logits), caches, tokens
+
+
+def _dense_decode_tokens_per_s(model, prompts: np.ndarray, max_len: int, new_tokens: int):
+    graphdef, params = nnx.split(model)
+    _, _, caches, tokens = _dense_prefill(model, prompts, max_len)
+    start = np.full(prompts.shape[0], prompts.shape[1], np.int32)
+    times = []
+    for i in range(new_tokens):
+        t0 = time.perf_counter()
+        tokens, _, caches = _dense_step(
+            graphdef,
+            params,
+            caches,
+            jnp.asarray(tokens)[:, None],
+            jnp.asarray(start + i),
+            prefill=False,
+        )
+        tokens = np.asarray(tokens)  # the one sync per step
+        times.append(time.perf_counter() - t0)
+    steady = times[1:]  # the first step compiles
+    return prompts.shape[0] * len(steady) / sum(steady)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="1b", choices=sorted(CONFIGS))
+    parser.add_argument("--implementation", default=None)
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    parser.add_argument("--chunks", type=int, nargs="*", default=[256, 512, 2048])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
+    parser.add_argument("--ctx", type=int, default=1024, help="cached tokens per decode sequence")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny config, small sizes")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.config, args.prompt_len, args.chunks, args.batches = "tiny", 96, [16, 32], [1, 4]
+        args.ctx, args.new_tokens = 40, 6
+
+    model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    make = functools.partial(_engine, model, args.implementation, page_size=args.page_size)
+    cases = []
+
+    prompt = rng.integers(0, vocab, args.prompt_len)
+    max_len = args.prompt_len + 1
+    for chunk in [args.prompt_len, *args.chunks]:
+        engine = make(max_seqs=1, budget=chunk, max_len=max_len)
+        stats = _timed(engine, [prompt.tolist()], SamplingParams(max_new_tokens=1))
+        case = dict(
+            kind="prefill",
+            tokens=args.prompt_len,
+            chunk="single-shot" if chunk == args.prompt_len else chunk,
+            steps=stats.steps,
+            tokens_per_s=stats.prefill_tokens_per_s,
+        )
+        if chunk == args.prompt_len and not args.no_baseline:
+            [seq] = engine.generate(
+                [prompt.tolist()], SamplingParams(max_new_tokens=1), record_prompt_logits=True
+            )
+            seconds, logits, _, _ = _dense_prefill(model, prompt[None], max_len)
+            case["baseline_tokens_per_s"] = args.prompt_len / seconds
+            case["baseline_max_abs_logit_diff"] = float(
+                np.max(np.abs(logits[0] - seq.prompt_logits[-1]))
+            )
+        cases.append(case)
+        print_table([case], list(case))
+
+    for batch in args.batches:
+        prompts = rng.integers(0, vocab, (batch, args.ctx))
+        max_len = args.ctx + args.new_tokens
+        engine = make(max_seqs=batch, budget=max(2048, args.ctx), max_len=max_len)
+        stats = _timed(engine, prompts.tolist(), SamplingParams(max_new_tokens=args.new_tokens))
+        case = dict(
+            kind="decode",
+            batch=batch,
+            ctx=args.ctx,
+            steps=stats.steps,
+            tokens_per_s=stats.decode_tokens_per_s,
+        )
+        if not args.no_baseline:
+            case["baseline_tokens_per_s"] = _dense_decode_tokens_per_s(
+                model, prompts, max_len, args.new_tokens
+            )
+        cases.append(case)
+        print_table([case], list(case))
+
+    implementation = {
+        op: jaxpaged.resolve_implementation(op, args.implementation, CONFIGS[args.config].dtype)
+        for op in ("ragged", "decode")
+    }
+    for case in cases:
+        case.update(
+            config=args.config,
+            implementation=implementation["ragged" if case["kind"] == "prefill" else "decode"],
+        )
+    if args.out:
+        write_results(args.out, "e2e", cases)
+    return cases
+
+
+if __name__ == "__main__":
+    main()

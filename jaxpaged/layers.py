@@ -1,0 +1,200 @@
+"""A Flax NNX attention layer over paged KV, for users' own decoders.
+
+One step's batch metadata (`StepMetadata`, built once per step and shared by every layer) and one
+layer's pages go in; the layer projects q/k/v, rotates them by each token's position, appends
+the new K/V to the pages and attends:
+
+    meta = StepMetadata.build(kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens=T)
+    out, k_pages, v_pages = attn(x, k_pages, v_pages, meta)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpaged.attention import paged_decode_attention, ragged_paged_attention
+from jaxpaged.kv_cache import append_kv
+from jaxpaged.reference import token_positions
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("kv_lens", "page_indices", "cu_q_lens", "num_seqs", "positions"),
+    meta_fields=("decode",),
+)
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+    """The batch metadata of one step, shared by every layer (a pytree; `decode` is static).
+
+    kv_lens: i32[S], KV length of each sequence including this step's tokens.
+    page_indices: i32[S, pages_per_seq], each sequence's pages.
+    cu_q_lens: i32[S+1], sequence s owns tokens `cu_q_lens[s]:cu_q_lens[s+1]`.
+    num_seqs: i32[], live sequences; rows from `num_seqs` on are padding.
+    positions: i32[T], the position `kv_len - q_len + i` of every token (0 for padding).
+    decode: every live sequence has exactly one token and token s belongs to sequence s
+      (T == S); the layer then calls the split-KV `paged_decode_attention`.
+    """
+
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+    positions: jax.Array
+    decode: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        kv_lens: jax.Array,
+        page_indices: jax.Array,
+        cu_q_lens: jax.Array,
+        num_seqs: jax.Array | int,
+        *,
+        num_tokens: int,
+        decode: bool = False,
+    ) -> StepMetadata:
+        """Metadata for a ragged batch of `num_tokens` tokens; computes the token positions.
+
+        Entries past `num_seqs` may hold anything: they are masked here, so that a padding row
+        never moves a live token's position and the decode op sees it as an inactive slot
+        (kv_len 0).
+        """
+        num_seq_slots = kv_lens.shape[0]
+        if decode and num_tokens != num_seq_slots:
+            raise ValueError(
+                f"a decode step has one token per sequence slot: T={num_tokens} "
+                f"!= S={num_seq_slots}"
+            )
+        n = jnp.clip(jnp.reshape(jnp.asarray(num_seqs, jnp.int32), (-1,))[0], 0, num_seq_slots)
+        kv_lens = jnp.where(jnp.arange(num_seq_slots) < n, kv_lens, 0)
+        cu_q_lens = jnp.where(jnp.arange(num_seq_slots + 1) <= n, cu_q_lens, cu_q_lens[n])
+        _, pos, live = token_positions(cu_q_lens, kv_lens, num_tokens)
+        return cls(kv_lens, page_indices, cu_q_lens, n, jnp.where(live, pos, 0), decode)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, Llama/Qwen "rotate half" convention, computed in float32.
+
+    x: [T, H, D] (D even); positions: i32[T]. Dimension pairs (i, i + D/2) rotate by
+    `position * theta**(-2i/D)`. Returns x's shape and dtype.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None, None] * inv_freq  # [T, 1, D/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class PagedAttention(nnx.Module):
+    """Grouped-query self-attention of a ragged batch over one layer's KV pages.
+
+    Llama / Qwen3 style: bias-free q/k/v/o projections, optional RMSNorm of q and k over D per
+    head (Qwen3's qk-norm), RoPE at each token's position, causal attention over the sequence's
+    cached tokens and its new ones. `dtype` is that of the parameters, the computation and the
+    pages; `precision` that of the projections (float32 on GPUs defaults to TF32 matmuls: pass
+    "highest" for IEEE float32, as the kernels' float32 dots are).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        rope_theta: float = 10_000.0,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        dtype: jnp.dtype = jnp.float32,
+        precision: jax.lax.PrecisionLike = None,
+        rngs: nnx.Rngs,
+    ):
+        if num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+            )
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim; got {head_dim}")
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.rope_theta = rope_theta
+        linear = functools.partial(
+            nnx.Linear,
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=dtype,
+            precision=precision,
+            rngs=rngs,
+        )
+        self.q_proj = linear(hidden_size, num_q_heads * head_dim)
+        self.k_proj = linear(hidden_size, num_kv_heads * head_dim)
+        self.v_proj = linear(hidden_size, num_kv_heads * head_dim)
+        self.o_proj = linear(num_q_heads * head_dim, hidden_size)
+        norm = functools.partial(
+            nnx.RMSNorm, head_dim, epsilon=norm_eps, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.q_norm = norm() if qk_norm else None
+        self.k_norm = norm() if qk_norm else None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        meta: StepMetadata,
+        *,
+        implementation: str | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attend the step's tokens and append their K/V.
+
+        Args:
+          x: [T, hidden] the step's tokens, packed like `ragged_paged_attention`'s `q`.
+          k_pages, v_pages: [P, page_size, Hkv, D] this layer's pages (donated by `append_kv`
+            when called outside `jit`; use the returned ones).
+          meta: the step's `StepMetadata`.
+          implementation: attention backend, as `ragged_paged_attention` (None: best here).
+
+        Returns:
+          `(out [T, hidden], k_pages, v_pages)`; padding tokens give arbitrary finite rows.
+        """
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).reshape(num_tokens, self.num_q_heads, self.head_dim)
+        k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, meta.positions, self.rope_theta).astype(k_pages.dtype)
+        k = apply_rope(k, meta.positions, self.rope_theta).astype(k_pages.dtype)
+        k_pages, v_pages = append_kv(
+            k_pages,
+            v_pages,
+            k,
+            v.astype(v_pages.dtype),
+            meta.kv_lens,
+            meta.page_indices,
+            meta.cu_q_lens,
+            meta.num_seqs,
+        )
+        if meta.decode:
+            out = paged_decode_attention(
+                q, k_pages, v_pages, meta.kv_lens, meta.page_indices, implementation=implementation
+            )
+        else:
+            out = ragged_paged_attention(
+                q,
+                k_pages,
+                v_pages,
+                meta.kv_lens,
+                meta.page_indices,
+                meta.cu_q_lens,
+                meta.num_seqs,
+                implementation=implementation,
+            )
+        out = self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
+        return out, k_pages, v_pages

@@ -1,0 +1,93 @@
+"""Model and engine configurations: `CONFIGS["tiny"]` runs on a CPU in seconds, `CONFIGS["1b"]`
+is a ~1B-parameter Llama/Qwen3-shaped decoder for GPU benchmarks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder's shape; `dtype` is that of its parameters, activations and KV pages."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = True
+    dtype: jnp.dtype = jnp.float32
+    # Matmul precision of the projections. Float32 runs with "highest" (IEEE, like the kernels'
+    # float32 dots): GPUs default to TF32, whose 1e-3 errors would differ between chunked and
+    # single-shot prefill. 16-bit configs leave it None (the default for their dtype).
+    precision: str | None = "highest"
+
+    def with_dtype(self, dtype) -> ModelConfig:
+        """This config in `dtype`, with the matching matmul precision."""
+        dtype = jnp.dtype(dtype)
+        return dataclasses.replace(
+            self, dtype=dtype, precision="highest" if dtype == jnp.float32 else None
+        )
+
+    def num_params(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_q_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attn + mlp) + 2 * self.vocab_size * self.hidden_size
+
+
+CONFIGS: dict[str, ModelConfig] = {
+    # D=64 and Hq/Hkv=2: the smallest shapes the kernels' tests cover.
+    "tiny": ModelConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+    ),
+    # Qwen3-like shapes at ~0.94B parameters; D=128 and Hkv=8 as in the H200 anchors.
+    "1b": ModelConfig(
+        vocab_size=32_000,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=16,
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=jnp.bfloat16,
+        precision=None,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the jitted steps and the page pool. Every array a step sees has a shape fixed by
+    these numbers, so the steps compile once.
+
+    page_size: tokens per page.
+    num_pages: pages per layer in the pool.
+    max_seqs: sequence slots (S of every step; the decode step's T too).
+    max_tokens_per_step: token budget of a mixed step (its T): prefill chunks plus decodes.
+    max_model_len: most tokens a sequence may hold (prompt + generated); sets pages_per_seq.
+    chunk_size: most prompt tokens of one sequence per step (None: the whole budget). Changing
+      it does not recompile.
+    """
+
+    page_size: int = 16
+    num_pages: int = 512
+    max_seqs: int = 8
+    max_tokens_per_step: int = 256
+    max_model_len: int = 1024
+    chunk_size: int | None = None
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)

@@ -1,0 +1,132 @@
+"""A Llama/Qwen3-style decoder over paged KV: RMSNorm, RoPE, GQA through
+`jaxpaged.PagedAttention`, SwiGLU MLP, optional qk-norm. Weights are seeded random."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jaxpaged
+from models.config import ModelConfig
+
+KVPages = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages) [P, page_size, Hkv, D]
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        linear = functools.partial(
+            nnx.Linear,
+            use_bias=False,
+            dtype=config.dtype,
+            param_dtype=config.dtype,
+            precision=config.precision,
+            rngs=rngs,
+        )
+        self.gate_proj = linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = linear(config.intermediate_size, config.hidden_size)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        norm = functools.partial(
+            nnx.RMSNorm,
+            config.hidden_size,
+            epsilon=config.norm_eps,
+            dtype=config.dtype,
+            param_dtype=config.dtype,
+            rngs=rngs,
+        )
+        self.input_norm = norm()
+        self.attn = jaxpaged.PagedAttention(
+            config.hidden_size,
+            config.num_q_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            rope_theta=config.rope_theta,
+            qk_norm=config.qk_norm,
+            norm_eps=config.norm_eps,
+            dtype=config.dtype,
+            precision=config.precision,
+            rngs=rngs,
+        )
+        self.post_attention_norm = norm()
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, k_pages, v_pages, meta, *, implementation):
+        h, k_pages, v_pages = self.attn(
+            self.input_norm(x), k_pages, v_pages, meta, implementation=implementation
+        )
+        x = x + h
+        return x + self.mlp(self.post_attention_norm(x)), k_pages, v_pages
+
+
+class Decoder(nnx.Module):
+    """Token ids of a ragged batch in, final hidden states out; `logits` maps them to the
+    vocabulary (so a step can project only the rows it samples from)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=config.dtype,
+            param_dtype=config.dtype,
+            rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = nnx.RMSNorm(
+            config.hidden_size,
+            epsilon=config.norm_eps,
+            dtype=config.dtype,
+            param_dtype=config.dtype,
+            rngs=rngs,
+        )
+        self.lm_head = nnx.Linear(
+            config.hidden_size,
+            config.vocab_size,
+            use_bias=False,
+            dtype=config.dtype,
+            param_dtype=config.dtype,
+            precision=config.precision,
+            rngs=rngs,
+        )
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        kv_pages: KVPages,
+        meta: jaxpaged.StepMetadata,
+        *,
+        implementation: str | None = None,
+    ) -> tuple[jax.Array, KVPages]:
+        """tokens: i32[T] packed like the attention's `q`; kv_pages: one (k, v) per layer.
+        Returns the normalized hidden states [T, hidden] and the updated pages."""
+        x = self.embed(tokens)
+        new_pages = []
+        for layer, (k_pages, v_pages) in zip(self.layers, kv_pages, strict=True):
+            x, k_pages, v_pages = layer(x, k_pages, v_pages, meta, implementation=implementation)
+            new_pages.append((k_pages, v_pages))
+        return self.norm(x), new_pages
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[N, hidden] -> f32[N, vocab]."""
+        return self.lm_head(hidden).astype(jnp.float32)
+
+
+def init_kv_pages(config: ModelConfig, num_pages: int, page_size: int) -> KVPages:
+    """Empty pages for every layer. They start as NaN so that a read of a slot no token was
+    written to shows in the logits instead of passing silently."""
+    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+    return [
+        (jnp.full(shape, jnp.nan, config.dtype), jnp.full(shape, jnp.nan, config.dtype))
+        for _ in range(config.num_layers)
+    ]

@@ -1,0 +1,221 @@
+"""`jaxpaged.PagedAttention` against dense causal attention computed in float64 numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxpaged
+
+PAGE = 16
+HIDDEN, HQ, HKV, D = 96, 4, 2, 64
+THETA = 10_000.0
+EPS = 1e-6
+# (cached prefix, new tokens) per sequence: chunks on a prefix at several page alignments,
+# a decode token, a whole prompt, a one-token prompt and an empty chunk.
+SEQS = [(0, 9), (13, 5), (16, 1), (31, 17), (0, 1), (20, 0)]
+# Layer output against float64 (outputs ~1):
+# - float32: the projections and the attention accumulate in float32 (relative ~1e-6 per
+#   op); 1e-4 leaves margin for the several matmuls in a row.
+# - bfloat16: x, the weights, q/k/v, the pages and the attention output are each rounded to
+#   bf16 (2^-9 relative each) and errors add over a projection's 96..256 terms: 5e-2.
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 5e-2}
+
+
+def _backends():
+    """Here: xla and triton (interpret mode). On the GPU: the Triton kernels and
+    `implementation=None` (the best kernel per op)."""
+    return [
+        pytest.param("xla", id="xla"),
+        pytest.param("triton", id="triton"),
+        pytest.param("triton", id="triton-gpu", marks=pytest.mark.gpu),
+        pytest.param(None, id="auto-gpu", marks=pytest.mark.gpu),
+    ]
+
+
+def _require(backend):
+    for op in ("ragged", "decode"):
+        if backend is not None and backend not in jaxpaged.available_implementations(op):
+            pytest.skip(f"{backend} is not available for {op} here")
+
+
+def _f64(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def _rope_reference(x, positions):
+    """RoPE as complex rotation: pair (x_i, x_{i+D/2}) is one complex number."""
+    half = x.shape[-1] // 2
+    freq = THETA ** (-np.arange(half) / half)
+    z = (x[..., :half] + 1j * x[..., half:]) * np.exp(1j * positions[:, None, None] * freq)
+    return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def _rms(x, scale):
+    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + EPS) * scale
+
+
+def _dense_reference(layer, x, qk_norm):
+    """Causal self-attention of one whole sequence x [L, hidden]: (out [L, hidden], k, v)."""
+    length = x.shape[0]
+    w = {
+        name: _f64(getattr(layer, name).kernel[...])
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
+    q = (x @ w["q_proj"]).reshape(length, HQ, D)
+    k = (x @ w["k_proj"]).reshape(length, HKV, D)
+    v = (x @ w["v_proj"]).reshape(length, HKV, D)
+    if qk_norm:
+        q, k = _rms(q, _f64(layer.q_norm.scale[...])), _rms(k, _f64(layer.k_norm.scale[...]))
+    pos = np.arange(length)
+    q, k = _rope_reference(q, pos), _rope_reference(k, pos)
+    kq = np.repeat(k, HQ // HKV, axis=1)
+    vq = np.repeat(v, HQ // HKV, axis=1)
+    logits = np.einsum("qhd,khd->hqk", q, kq) / np.sqrt(D)
+    logits = np.where(pos[None, :, None] >= pos[None, None, :], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    out = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), vq).reshape(length, HQ * D)
+    return out @ w["o_proj"], k, v
+
+
+def _pack(xs, lens, rng, num_tokens):
+    """Pack the rows of each sequence into `num_tokens` rows; padding tokens are random."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    pad = rng.standard_normal((num_tokens - cu[-1], HIDDEN))
+    return np.concatenate([x for x, n in zip(xs, lens, strict=True) if n] + [pad]), cu
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_chunk_on_prefix_matches_dense_attention(backend, dtype, qk_norm):
+    """Prefill the prefixes in one call, then the chunks in a second: the chunk outputs equal
+    dense causal attention over the whole sequences, and the pages hold the rotated K and V of
+    every position."""
+    _require(backend)
+    rng = np.random.default_rng(0)
+    layer = jaxpaged.PagedAttention(
+        HIDDEN,
+        HQ,
+        HKV,
+        D,
+        rope_theta=THETA,
+        qk_norm=qk_norm,
+        norm_eps=EPS,
+        dtype=dtype,
+        precision="highest" if dtype == jnp.float32 else None,  # no TF32 on the GPU
+        rngs=nnx.Rngs(1),
+    )
+    if qk_norm:  # a non-trivial norm scale, so that a missing scale shows
+        layer.q_norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, D), dtype)
+        layer.k_norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, D), dtype)
+    xs = [
+        jnp.asarray(rng.standard_normal((p + n, HIDDEN)), dtype).astype(jnp.float32)
+        for p, n in SEQS
+    ]
+    pages_per_seq = max(-(-(p + n) // PAGE) for p, n in SEQS) + 1
+    num_pages = len(SEQS) * pages_per_seq + 2
+    table = rng.permutation(num_pages)[: len(SEQS) * pages_per_seq].reshape(len(SEQS), -1)
+    table = np.concatenate([table, rng.integers(-5, 10**6, (1, pages_per_seq))])
+    table = jnp.asarray(table, jnp.int32)  # scattered pages, then a padding row of garbage
+    shape = (num_pages, PAGE, HKV, D)
+    k_pages, v_pages = jnp.full(shape, jnp.nan, dtype), jnp.full(shape, jnp.nan, dtype)
+
+    graphdef, state = nnx.split(layer)
+    run = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args, implementation=backend))
+
+    def call(lens, kv_lens, x_rows, k_pages, v_pages):
+        # Both calls have the same T (so they compile once), with padding tokens.
+        x, cu = _pack(x_rows, lens, rng, num_tokens=sum(p for p, _ in SEQS) + 5)
+        cu = np.concatenate([cu, [rng.integers(0, 99)]])  # garbage past num_seqs
+        kv = np.concatenate([kv_lens, [rng.integers(0, 10**6)]]).astype(np.int32)
+        meta = jaxpaged.StepMetadata.build(
+            jnp.asarray(kv), table, jnp.asarray(cu, jnp.int32), len(SEQS), num_tokens=x.shape[0]
+        )
+        return run(state, jnp.asarray(x, dtype), k_pages, v_pages, meta)
+
+    prefixes = [x[:p] for x, (p, _) in zip(xs, SEQS, strict=True)]
+    chunks = [x[p:] for x, (p, _) in zip(xs, SEQS, strict=True)]
+    prefix = [p for p, _ in SEQS]
+    _, k_pages, v_pages = call(prefix, prefix, prefixes, k_pages, v_pages)
+    full = [p + n for p, n in SEQS]
+    out, k_pages, v_pages = call([n for _, n in SEQS], full, chunks, k_pages, v_pages)
+
+    tol = TOL[dtype]
+    offset = 0
+    written = np.zeros(shape[:2], bool)
+    for s, (p, n) in enumerate(SEQS):
+        ref_out, ref_k, ref_v = _dense_reference(layer, _f64(xs[s]), qk_norm)
+        np.testing.assert_allclose(_f64(out[offset : offset + n]), ref_out[p:], atol=tol, rtol=tol)
+        offset += n
+        pages, slots = np.asarray(table[s])[np.arange(p + n) // PAGE], np.arange(p + n) % PAGE
+        written[pages, slots] = True
+        np.testing.assert_allclose(_f64(k_pages[pages, slots]), ref_k, atol=tol, rtol=tol)
+        np.testing.assert_allclose(_f64(v_pages[pages, slots]), ref_v, atol=tol, rtol=tol)
+    assert np.isnan(_f64(k_pages)[~written]).all(), "a write landed outside the sequences' slots"
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_decode_step_equals_ragged_step(backend):
+    """With one token per sequence, `decode=True` (split-KV decode op) gives the ragged op's
+    output and the same pages."""
+    _require(backend)
+    rng = np.random.default_rng(2)
+    layer = jaxpaged.PagedAttention(HIDDEN, HQ, HKV, D, qk_norm=True, rngs=nnx.Rngs(3))
+    kv_lens = np.array([1, 17, 40, 0], np.int32)  # the last slot is inactive
+    num_pages, pages_per_seq = 16, 3
+    table = jnp.asarray(rng.permutation(num_pages)[:12].reshape(4, pages_per_seq), jnp.int32)
+    shape = (num_pages, PAGE, HKV, D)
+    k_pages = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    v_pages = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, HIDDEN)), jnp.float32)
+    cu = jnp.asarray([0, 1, 2, 3, 3], jnp.int32)
+    results = []
+    for decode in (False, True):
+        meta = jaxpaged.StepMetadata.build(
+            jnp.asarray(kv_lens), table, cu, 3, num_tokens=4, decode=decode
+        )
+        # The layer donates the pages it is given: hand each call its own copy.
+        results.append(layer(x, k_pages.copy(), v_pages.copy(), meta, implementation=backend))
+    (ragged, k_r, v_r), (dec, k_d, v_d) = results
+    np.testing.assert_allclose(np.asarray(dec[:3]), np.asarray(ragged[:3]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(k_d), np.asarray(k_r))
+    np.testing.assert_array_equal(np.asarray(v_d), np.asarray(v_r))
+
+
+def test_step_metadata_positions():
+    """Token i of a sequence sits at kv_len - q_len + i; padding rows never move a token."""
+    kv_lens = jnp.asarray([5, 20, 1, 7], jnp.int32)
+    cu = jnp.asarray([0, 2, 5, 6, 1], jnp.int32)  # the 4th row is padding with garbage
+    meta = jaxpaged.StepMetadata.build(kv_lens, jnp.zeros((4, 2), jnp.int32), cu, 3, num_tokens=8)
+    np.testing.assert_array_equal(np.asarray(meta.positions), [3, 4, 17, 18, 19, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(meta.kv_lens), [5, 20, 1, 0])
+    with pytest.raises(ValueError, match="one token per sequence slot"):
+        jaxpaged.StepMetadata.build(
+            kv_lens, jnp.zeros((4, 2), jnp.int32), cu, 3, num_tokens=8, decode=True
+        )
+
+
+def test_layer_runs_under_jit_with_donated_pages():
+    layer = jaxpaged.PagedAttention(HIDDEN, HQ, HKV, D, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    shape = (4, PAGE, HKV, D)
+
+    @jax.jit
+    def step(state, k_pages, v_pages, x, meta):
+        return nnx.merge(graphdef, state)(x, k_pages, v_pages, meta, implementation="xla")
+
+    meta = jaxpaged.StepMetadata.build(
+        jnp.asarray([3], jnp.int32),
+        jnp.asarray([[2, 0]], jnp.int32),
+        jnp.asarray([0, 3], jnp.int32),
+        1,
+        num_tokens=3,
+    )
+    x = jnp.ones((3, HIDDEN), jnp.float32)
+    out, k_pages, _ = jax.jit(step, donate_argnums=(1, 2))(
+        state, jnp.zeros(shape), jnp.zeros(shape), x, meta
+    )
+    assert out.shape == (3, HIDDEN) and np.isfinite(np.asarray(out)).all()
+    assert np.abs(np.asarray(k_pages[2, :3])).sum() > 0 and not np.asarray(k_pages[0]).any()

@@ -1,0 +1,348 @@
+"""The decoder and its engine: chunked prefill equals single-shot prefill, batching and pool
+pressure change no result, steps compile once and update the pages in place.
+
+Every body runs for each backend: "xla" and "triton" (Pallas interpret mode) here on a covering
+subset, and the whole matrix with compiled kernels under the `gpu` marker.
+"""
+
+import dataclasses
+import functools
+import itertools
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxpaged
+from models import generate
+from models.config import CONFIGS, EngineConfig
+from models.decoder import Decoder
+from models.engine import Engine, model_step
+from models.scheduler import Chunk, Plan, SamplingParams, Sequence
+
+PAGE = 16
+# One engine shape for most tests, so that they share compiled steps: a 300-token prompt plus
+# 32 new tokens fits one sequence; 24 pages do not hold the pool test's requests at once.
+BASE = EngineConfig(
+    page_size=PAGE, num_pages=24, max_seqs=4, max_tokens_per_step=64, max_model_len=352
+)
+SINGLE_SHOT_BUDGET = 320  # the budget of a step that prefills a 300-token prompt at once
+
+# Chunked against single-shot prefill, float32 logits (magnitude ~5): the two runs compute the
+# same per-token math; only how the work is split differs. The XLA reference gathers the same
+# keys in the same order for every token, so only matmul blocking over different row offsets
+# moves the result (~1e-6); the kernels also split the online softmax over different KV tiles
+# when a chunk starts inside one, which reorders float32 sums (relative ~1e-6 per layer).
+# Summed over the layers and the vocabulary projection that stays below ~1e-5: 1e-4.
+F32_LOGIT_TOL = 1e-4
+# bfloat16: greedy tokens must agree exactly and the chosen tokens' log-probabilities may drift
+# by the bf16 roundings the two splits apply at different places: 0.01 nats on average.
+BF16_LOGPROB_TOL = 0.01
+
+PROMPT_LENS = [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 5, 300]
+CHUNKS = [1, 7, PAGE, 64]
+
+
+# On the GPU: the Triton kernels for both ops, and `implementation=None` (what the demo runs:
+# the best kernel per op, e.g. Mosaic GPU for decode on Hopper).
+GPU_BACKENDS = [("triton", "triton-gpu"), (None, "auto-gpu")]
+
+
+def _cases(cpu: dict[str, list[tuple[int, int]]]):
+    """(backend, prompt_len, chunk) params: the CPU subsets, and on the GPU every chunk shorter
+    than the prompt (single-shot prefill, the whole prompt as one chunk, is the other side)."""
+    cases = [
+        pytest.param(b, p, c, id=f"{b}-p{p}-c{c}") for b, pairs in cpu.items() for p, c in pairs
+    ]
+    cases += [
+        pytest.param(b, p, c, id=f"{name}-p{p}-c{c}", marks=pytest.mark.gpu)
+        for b, name in GPU_BACKENDS
+        for p, c in itertools.product(PROMPT_LENS, CHUNKS)
+        if c < p or p == 1
+    ]
+    return cases
+
+
+def _backends():
+    return [pytest.param("xla", id="xla"), pytest.param("triton", id="triton")] + [
+        pytest.param(b, id=name, marks=pytest.mark.gpu) for b, name in GPU_BACKENDS
+    ]
+
+
+def _require(backend):
+    for op in ("ragged", "decode"):
+        if backend is not None and backend not in jaxpaged.available_implementations(op):
+            pytest.skip(f"{backend} is not available for {op} here")
+
+
+@functools.cache
+def _model(dtype) -> Decoder:
+    return Decoder(CONFIGS["tiny"].with_dtype(dtype), rngs=nnx.Rngs(0))
+
+
+def _engine(backend, dtype=jnp.float32, **changes) -> Engine:
+    return Engine(_model(dtype), dataclasses.replace(BASE, **changes), implementation=backend)
+
+
+def _prompt(length: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, CONFIGS["tiny"].vocab_size, length).tolist()
+
+
+def _run(engine: Engine, prompts, params) -> list[Sequence]:
+    with jaxpaged.quiet_triton_deprecation():
+        return engine.generate(prompts, params, record_prompt_logits=True)
+
+
+@functools.cache
+def _single_shot(backend, dtype, prompt_len: int, max_new: int) -> Sequence:
+    budget = (
+        BASE.max_tokens_per_step if prompt_len <= BASE.max_tokens_per_step else (SINGLE_SHOT_BUDGET)
+    )
+    engine = _engine(backend, dtype, max_tokens_per_step=budget)
+    [seq] = _run(engine, [_prompt(prompt_len)], SamplingParams(max_new))
+    assert engine.stats.steps == max_new  # the prompt took one step
+    return seq
+
+
+def _chunked(backend, dtype, prompt_len: int, chunk: int, max_new: int) -> Sequence:
+    [seq] = _run(
+        _engine(backend, dtype, chunk_size=chunk), [_prompt(prompt_len)], SamplingParams(max_new)
+    )
+    return seq
+
+
+CPU_F32 = {
+    "xla": [(1, 1)] + [(p, c) for p, c in itertools.product(PROMPT_LENS, CHUNKS) if c < p],
+    "triton": [(PAGE + 1, 7), (3 * PAGE + 5, PAGE), (PAGE - 1, 1)],
+}
+
+
+@pytest.mark.parametrize(("backend", "prompt_len", "chunk"), _cases(CPU_F32))
+def test_chunked_prefill_then_decode_matches_single_shot_f32(backend, prompt_len, chunk):
+    """Every prompt position's logits, the greedy continuation and its log-probabilities."""
+    _require(backend)
+    ref = _single_shot(backend, jnp.float32, prompt_len, 8)
+    seq = _chunked(backend, jnp.float32, prompt_len, chunk, 8)
+    assert np.isfinite(ref.prompt_logits).all() and np.isfinite(seq.prompt_logits).all()
+    np.testing.assert_allclose(seq.prompt_logits, ref.prompt_logits, rtol=0, atol=F32_LOGIT_TOL)
+    assert seq.output == ref.output
+    np.testing.assert_allclose(seq.logprobs, ref.logprobs, rtol=0, atol=F32_LOGIT_TOL)
+
+
+CPU_BF16 = {
+    "xla": [(PAGE, 1), (PAGE + 1, 7), (3 * PAGE + 5, PAGE), (300, 64)],
+    "triton": [(3 * PAGE + 5, PAGE)],
+}
+
+
+@pytest.mark.parametrize(("backend", "prompt_len", "chunk"), _cases(CPU_BF16))
+def test_chunked_prefill_greedy_continuation_bf16(backend, prompt_len, chunk):
+    _require(backend)
+    ref = _single_shot(backend, jnp.bfloat16, prompt_len, 32)
+    seq = _chunked(backend, jnp.bfloat16, prompt_len, chunk, 32)
+    assert seq.output == ref.output
+    assert np.mean(np.abs(np.subtract(seq.logprobs, ref.logprobs))) <= BF16_LOGPROB_TOL
+
+
+# Four requests with greedy and seeded sampling; with a budget of 32 tokens and chunks of 16
+# their prefill chunks share steps with each other's decodes.
+MIXED_PROMPTS = [_prompt(37, 1), _prompt(5, 2), _prompt(70, 3), _prompt(PAGE, 4)]
+MIXED_PARAMS = [
+    SamplingParams(12),
+    SamplingParams(12, 0.8, seed=1),
+    SamplingParams(9),
+    SamplingParams(12, 1.0, seed=7),
+]
+
+
+def _assert_same_results(seqs, refs):
+    for seq, ref in zip(seqs, refs, strict=True):
+        assert seq.output == ref.output
+        np.testing.assert_allclose(seq.logprobs, ref.logprobs, rtol=0, atol=F32_LOGIT_TOL)
+        np.testing.assert_allclose(seq.prompt_logits, ref.prompt_logits, rtol=0, atol=F32_LOGIT_TOL)
+
+
+def _alone(backend, prompts, params) -> list[Sequence]:
+    return [_run(_engine(backend), [p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_interleaved_sequences_equal_each_run_alone(backend):
+    _require(backend)
+    engine = _engine(backend, max_tokens_per_step=32, chunk_size=PAGE)
+    seqs = _run(engine, MIXED_PROMPTS, MIXED_PARAMS)
+    # Some tokens were sampled in mixed steps beyond each prompt's first: decodes rode along.
+    generated = sum(len(s.output) for s in seqs)
+    assert generated - len(seqs) > engine.stats.decode_tokens
+    _assert_same_results(seqs, _alone(backend, MIXED_PROMPTS, MIXED_PARAMS))
+
+
+def _check_pool(engine: Engine) -> None:
+    """No page is owned twice, free pages are exactly the unowned ones, and the pool's lengths
+    are the scheduler's."""
+    pool = jax.device_get(engine.pool)
+    owned = np.concatenate([pool.page_indices[s, :n] for s, n in enumerate(pool.num_owned)])
+    assert len(set(owned.tolist())) == len(owned), "a page is owned twice"
+    assert not pool.free[owned].any() and pool.free.sum() + len(owned) == pool.num_pages
+    for seq in engine.scheduler.running:
+        assert pool.kv_lens[seq.slot] == seq.num_cached
+        assert pool.num_owned[seq.slot] == -(-seq.num_cached // PAGE)
+
+
+def _cached_kv(engine: Engine, seq: Sequence) -> list[np.ndarray]:
+    """Every layer's K and V of the sequence's cached positions, gathered through its pages."""
+    table = np.asarray(engine.pool.page_indices[seq.slot])
+    pos = np.arange(seq.num_cached)
+    return [
+        np.asarray(pages)[table[pos // PAGE], pos % PAGE]
+        for layer in engine.kv_pages
+        for pages in layer
+    ]
+
+
+POOL_PROMPTS = [_prompt(n, 10 + n) for n in (90, 70, 100, 60, 80)]
+POOL_PARAMS = [SamplingParams(24, 0.0 if i % 2 else 0.7, seed=i) for i in range(5)]
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_pool_exhaustion_waits_and_preempts_without_corruption(backend):
+    """The requests need 35 pages, the pool has 24: they wait and get preempted, and every one
+    still gives what it gives alone. After each step the pool is consistent and every running
+    sequence's cached K/V are bitwise what they were."""
+    _require(backend)
+    engine = _engine(backend, chunk_size=32)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(POOL_PROMPTS, POOL_PARAMS, strict=True)]
+    waited_for_pages = False
+    with jaxpaged.quiet_triton_deprecation():
+        while engine.scheduler.has_work():
+            before = {s.id: (s.slot, _cached_kv(engine, s)) for s in engine.scheduler.running}
+            engine.step(record_prompt_logits=True)
+            _check_pool(engine)
+            # A request waits with a slot free: the pool, not the slots, holds it back.
+            waited_for_pages |= bool(engine.scheduler.waiting and engine.scheduler.free_slots)
+            for s in engine.scheduler.running:
+                if s.id in before and before[s.id][0] == s.slot:
+                    for old, new in zip(before[s.id][1], _cached_kv(engine, s), strict=True):
+                        np.testing.assert_array_equal(new[: len(old)], old)
+    assert engine.scheduler.num_preemptions > 0 and waited_for_pages
+    assert engine.stats.failed_steps == 0  # the scheduler's page accounting matches the pool's
+    assert np.asarray(engine.pool.free).all()  # finished sequences released their pages
+    _assert_same_results(seqs, _alone(backend, POOL_PROMPTS, POOL_PARAMS))
+
+
+def test_failed_reservation_writes_nothing():
+    """A step whose pages the pool cannot hold returns ok=False and leaves pages and pool as
+    they were: the running sequence's cache is not touched."""
+    engine = _engine("xla")
+    seq = engine.add_request(_prompt(40), SamplingParams(4))
+    engine.step()
+    # Another slot takes all but one free page; the next step needs three.
+    engine.pool, ok = jaxpaged.reserve(engine.pool, jnp.asarray([3]), jnp.asarray([20 * PAGE]))
+    assert bool(ok) and int(jaxpaged.num_free_pages(engine.pool)) == 1
+    newcomer = Sequence(99, _prompt(40, 1), 40, SamplingParams(4), slot=1)
+    plan = Plan([Chunk(seq, seq.num_cached, 1), Chunk(newcomer, 0, 40)])
+    before = jax.device_get((engine.kv_pages, engine.pool))
+    kv_pages, pool, out = model_step(
+        engine.graphdef,
+        engine.params,
+        engine.kv_pages,
+        engine.pool,
+        engine._inputs(plan),
+        decode=False,
+        all_logits=False,
+        implementation="xla",
+    )
+    assert not bool(out.ok)
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves((kv_pages, pool)), strict=True):
+        np.testing.assert_array_equal(np.asarray(new), old)
+
+
+def test_engine_recovers_from_failed_reservations():
+    """With a scheduler that believes the pool is endless, only `reserve`'s ok stops steps that
+    do not fit; the engine preempts and retries, and the results are still right."""
+    engine = _engine("xla", chunk_size=32)
+    engine.scheduler.num_pages = 10**6
+    seqs = _run(engine, POOL_PROMPTS, POOL_PARAMS)
+    assert engine.stats.failed_steps > 0
+    _assert_same_results(seqs, _alone("xla", POOL_PROMPTS, POOL_PARAMS))
+
+
+def test_steps_do_not_recompile_after_warm_up():
+    engine = _engine("xla")
+    _run(engine, [_prompt(40), _prompt(3)], SamplingParams(4))  # a mixed and a decode step
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        _run(
+            engine,
+            [_prompt(n, n) for n in (1, 17, 90, 5, 63)],
+            [
+                SamplingParams(m, t, seed=m)
+                for m, t in ((3, 0.0), (9, 1.0), (2, 0.5), (6, 0.0), (4, 0.0))
+            ],
+        )
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert not compiles, f"{len(compiles)} compilations after warm-up"
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
+def test_step_updates_pages_and_pool_in_place(backend, decode):
+    """The compiled step aliases every page array and pool array to its output, copies no page
+    array, and the buffers passed in are consumed."""
+    _require(backend)
+    engine = _engine(backend)
+    seq = engine.add_request(_prompt(20), SamplingParams(2))
+    plan = engine.scheduler.schedule()
+    if decode:
+        engine.step()
+        plan = engine.scheduler.schedule()
+    assert plan.decode == decode and plan.chunks[0].seq is seq
+    args = (engine.graphdef, engine.params, engine.kv_pages, engine.pool, engine._inputs(plan))
+    options = dict(decode=decode, all_logits=False, implementation=backend)
+    with jaxpaged.quiet_triton_deprecation():
+        compiled = model_step.lower(*args, **options).compile()
+    state = jax.tree.leaves((engine.kv_pages, engine.pool))
+    assert compiled.memory_analysis().alias_size_in_bytes >= sum(x.nbytes for x in state)
+    hlo = compiled.as_text()
+    aliased = {int(p) for p in re.findall(r"\{\d+\}: \((\d+), \{\}", hlo.splitlines()[0])}
+    first = len(jax.tree.leaves(engine.params))
+    assert set(range(first, first + len(state))) <= aliased
+    page_shape = f"f32[{','.join(map(str, engine.kv_pages[0][0].shape))}]"
+    assert not re.search(re.escape(page_shape) + r"\{[\d,]+\} copy\(", hlo), "a page copy"
+    old = engine.kv_pages[0][0]
+    with jaxpaged.quiet_triton_deprecation():
+        engine.kv_pages, engine.pool, _ = model_step(*args, **options)
+    assert old.is_deleted()
+
+
+def test_demo_prints_json(capsys):
+    generate.main(
+        [
+            "--config",
+            "tiny",
+            "--prompt-len",
+            "20",
+            "--chunk-size",
+            "7",
+            "--max-new-tokens",
+            "3",
+            "--implementation",
+            "xla",
+            "--json",
+        ]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["implementation"] == "xla" and result["tokens_match"] is True
+    assert 0 <= result["max_abs_logit_diff"] <= F32_LOGIT_TOL
+    assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
