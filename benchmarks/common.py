@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import subprocess
 from collections.abc import Callable
@@ -50,15 +51,8 @@ def step_time_ms(fn: Callable, *args, iterations: int = 20) -> float:
 
 def environment() -> dict:
     """GPU name, jax version, git commit and date for a results file."""
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-            ).stdout.strip()
-            or None
-        )
-    except OSError:
-        commit = None
+    # The device machine gets the working tree without .git: the caller passes the commit.
+    commit = os.environ.get("JAXPAGED_COMMIT") or _git_head()
     device = jax.devices()[0]
     return {
         "device": getattr(device, "device_kind", str(device)),
@@ -66,6 +60,16 @@ def environment() -> dict:
         "commit": commit,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+def _git_head() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--verify", "HEAD"], capture_output=True, text=True, check=False
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def write_results(path: str | Path, suite: str, cases: list[dict]) -> None:
