@@ -1,0 +1,423 @@
+"""Ragged paged prefill on the H200: the Triton kernel against cuDNN (paged and dense).
+
+    python -m benchmarks.prefill --out benchmarks/results/prefill_h200.json
+
+bf16, Hq=32, Hkv=8, D=128, page 64. In order:
+1. causal prompts (q_len == kv_len) B=1 T=8192 and B=4 T=2048: our kernel with its default
+   config, cuDNN paged prefill (private JAX API) and cuDNN dense `dot_product_attention`;
+2. a mixed step, 4 chunks of 512 on 2048-token prefixes plus 60 decode tokens (ctx U[1536,
+   2560]), in one call against the sum of its parts run separately (both by this kernel; the
+   decode tokens also by the Triton decode kernel), and in one launch (`short_block_q=0`)
+   instead of two;
+3. `PrefillConfig` variants: long tiles on B=1 T=8192, short-sequence tiles on the decode
+   tokens, so that the defaults can be picked from one run;
+4. B=1 causal prompts of 512..16384 tokens against cuDNN paged.
+Steps 3 and 4 stop when `--budget-s` is spent. cuDNN's causal masks align top-left, which is
+right only where q_len == kv_len: it is timed on those shapes only.
+
+Throughput is attention FLOPs over the CUPTI median kernel time of one whole call (the block
+plans' XLA ops and both launches included): 4 * D * Hq per visible (query, key) pair, counted
+exactly from the mask. Pages are a random permutation of a pool of exactly the batch's pages
+(cuDNN's requirement), shared by all implementations. A failing measurement records its error
+and the run goes on. `--smoke` runs tiny shapes in interpret mode (any machine) to check the
+script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import kernel_time_ms, print_table, write_results
+from jaxpaged import quiet_triton_deprecation, ragged_paged_attention
+from pallas_kernels.triton.ragged_prefill import PrefillConfig
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 64
+DTYPE = jnp.bfloat16
+SCALE = HEAD_DIM**-0.5
+
+DEFAULT = PrefillConfig.default(HEAD_DIM, DTYPE)
+# Long-tile variants timed on B=1 T=8192 besides the default (128, 64, 8 warps, 3 stages).
+# Offline Triton 3.6 builds for sm_90 show no register spills except (128, 128) (up to about
+# 50 bytes), and (64, 64, 8 warps) at 138 registers and 112 KiB of shared memory, so two
+# programs fit on an SM.
+CONFIGS = tuple(
+    dataclasses.replace(DEFAULT, block_q=q, block_kv=k, num_warps=w, num_stages=s)
+    for q, k, w, s in [
+        (128, 64, 8, 4),
+        (128, 128, 8, 2),
+        (128, 128, 8, 3),
+        (128, 32, 8, 4),
+        (64, 64, 8, 3),
+        (64, 64, 8, 4),
+        (64, 128, 8, 3),
+        (64, 64, 4, 3),
+    ]
+)
+# Short-sequence variants timed on the decode tokens besides the default (16 rows, 64 keys,
+# 4 warps, 3 stages). tests/test_triton_prefill.py checks every variant on the GPU.
+SHORT_CONFIGS = tuple(
+    dataclasses.replace(
+        DEFAULT, short_block_q=q, short_block_kv=k, short_num_warps=w, short_num_stages=s
+    )
+    for q, k, w, s in [
+        (16, 128, 4, 3),
+        (16, 32, 4, 3),
+        (16, 64, 8, 3),
+        (16, 64, 4, 2),
+        (16, 64, 4, 4),
+        (32, 64, 4, 3),
+    ]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A ragged batch over a page pool; `seqs` lists (q_len, kv_len)."""
+
+    name: str
+    seqs: tuple[tuple[int, int], ...]
+
+    @property
+    def visible_pairs(self) -> int:
+        # Causal: token i of a sequence sits at kv_len - q_len + i and sees that many keys + 1.
+        return sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in self.seqs)
+
+    @property
+    def flops(self) -> int:
+        return 4 * HEAD_DIM * NUM_Q_HEADS * self.visible_pairs
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: jax.Array  # [T, Hq, D]
+    k: jax.Array  # [P, page_size, Hkv, D]
+    v: jax.Array
+    kv_lens: jax.Array  # i32[S]
+    table: jax.Array  # i32[S, pages_per_seq]
+    cu_q_lens: jax.Array  # i32[S+1]
+
+    def args(self):
+        return (
+            self.q,
+            self.k,
+            self.v,
+            self.kv_lens,
+            self.table,
+            self.cu_q_lens,
+            jnp.asarray(self.kv_lens.shape[0], jnp.int32),
+        )
+
+
+def make_inputs(batch: Batch, seed: int = 0) -> Inputs:
+    q_lens = np.array([q for q, _ in batch.seqs])
+    kv_lens = np.array([kv for _, kv in batch.seqs])
+    pages_per_seq = int(-(-kv_lens.max() // PAGE_SIZE))
+    num_pages = len(batch.seqs) * pages_per_seq
+    table = np.random.default_rng(seed).permutation(num_pages).reshape(-1, pages_per_seq)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    shape = (num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return Inputs(
+        q=jax.random.normal(keys[0], (int(q_lens.sum()), NUM_Q_HEADS, HEAD_DIM), DTYPE),
+        k=jax.random.normal(keys[1], shape, DTYPE),
+        v=jax.random.normal(keys[2], shape, DTYPE),
+        kv_lens=jnp.asarray(kv_lens, jnp.int32),
+        table=jnp.asarray(table, jnp.int32),
+        cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+    )
+
+
+def triton_fn(config: PrefillConfig | None, interpret: bool) -> Callable:
+    def fn(q, k, v, kv_lens, table, cu_q_lens, num_seqs):
+        return ragged_paged_attention(
+            q,
+            k,
+            v,
+            kv_lens,
+            table,
+            cu_q_lens,
+            num_seqs,
+            implementation="triton",
+            config=config,
+            interpret=interpret,
+        )
+
+    return fn
+
+
+def _dense_shape(x: jax.Array, batch: int) -> jax.Array:
+    return x.reshape(batch, -1, *x.shape[1:])
+
+
+def cudnn_paged_fn(q, k, v, kv_lens, table, cu_q_lens, num_seqs):
+    """cuDNN paged prefill; every sequence has q_len == kv_len."""
+    del cu_q_lens, num_seqs
+    from jax._src.cudnn import fused_attention_stablehlo as fa  # private API: may be missing
+
+    num_seqs = kv_lens.shape[0]
+    table = table[:, None, :, None]
+    out = fa.paged_attention(
+        _dense_shape(q, num_seqs),
+        k,
+        v,
+        kv_lens,
+        kv_lens,
+        table,
+        table,
+        scale=SCALE,
+        mask_type=fa.MaskType.PADDING_CAUSAL,
+    )
+    return out.reshape(q.shape)
+
+
+def cudnn_dense_fn(q, k, v, kv_lens, table, cu_q_lens, num_seqs):
+    """cuDNN dense attention on contiguous K/V (gathered outside the timed call)."""
+    del table, cu_q_lens, num_seqs
+    num_seqs = kv_lens.shape[0]
+    out = jax.nn.dot_product_attention(
+        _dense_shape(q, num_seqs), k, v, is_causal=True, implementation="cudnn"
+    )
+    return out.reshape(q.shape)
+
+
+def dense_kv(inputs: Inputs) -> tuple[jax.Array, jax.Array]:
+    """K, V [B, L, Hkv, D] in sequence order, for the dense anchor."""
+
+    def gather(pages):
+        return pages[inputs.table].reshape(inputs.table.shape[0], -1, NUM_KV_HEADS, HEAD_DIM)
+
+    return gather(inputs.k), gather(inputs.v)
+
+
+def decode_fn(interpret: bool) -> Callable:
+    """The decode tokens by the Triton split-KV decode kernel (q_len 1 per sequence)."""
+    from jaxpaged import paged_decode_attention
+
+    def fn(q, k, v, kv_lens, table, cu_q_lens, num_seqs):
+        del cu_q_lens, num_seqs
+        return paged_decode_attention(
+            q, k, v, kv_lens, table, implementation="triton", interpret=interpret
+        )
+
+    return fn
+
+
+class Runner:
+    """Measures and records; a failure becomes the record's error and the run goes on."""
+
+    def __init__(self, budget_s: float, iterations: int):
+        self.records: list[dict] = []
+        self.deadline = time.monotonic() + budget_s
+        self.iterations = iterations
+
+    def over_budget(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def time(self, batch: Batch, impl: str, variant: str, fn: Callable, *args, **info) -> dict:
+        record = dict(case=batch.name, impl=impl, variant=variant, **info)
+        try:
+            ms = kernel_time_ms(fn, *args, iterations=self.iterations)
+            record.update(ms=ms, tflops=batch.flops / ms / 1e9)
+        except Exception as e:  # noqa: BLE001 - record and go on
+            record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        shown = (
+            f"{record['ms']:.4f} ms  {record['tflops']:.1f} TFLOP/s"
+            if "ms" in record
+            else record["error"]
+        )
+        print(f"  {impl:12} {variant:28} {shown}", flush=True)
+        self.records.append(record)
+        return record
+
+
+def _config_name(config: PrefillConfig) -> str:
+    if config == DEFAULT:
+        return "default"
+    changed = [
+        f"{field.name}={getattr(config, field.name)}"
+        for field in dataclasses.fields(config)
+        if getattr(config, field.name) != getattr(DEFAULT, field.name)
+    ]
+    return " ".join(changed)
+
+
+def _max_diff(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def run_prompts(
+    runner: Runner, batch: Batch, interpret: bool, *, dense: bool, check: bool = False
+) -> None:
+    """Our default against cuDNN paged (and dense) on q_len == kv_len prompts; `check` also
+    records the largest output difference (it compiles every function once more)."""
+    print(f"== {batch.name}: {batch.flops / 1e12:.2f} TFLOP", flush=True)
+    inputs = make_inputs(batch)
+    args = inputs.args()
+    ours = runner.time(batch, "triton", "default", triton_fn(None, interpret), *args)
+    anchors = [("cudnn-paged", cudnn_paged_fn, args)]
+    if dense:
+        try:
+            k, v = dense_kv(inputs)
+            anchors.append(("cudnn-dense", cudnn_dense_fn, (inputs.q, k, v, *args[3:])))
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory
+            runner.records.append(dict(case=batch.name, impl="cudnn-dense", error=repr(e)[:300]))
+    for impl, fn, anchor_args in anchors:
+        record = runner.time(batch, impl, "causal", fn, *anchor_args)
+        if "ms" in record and "ms" in ours:
+            ours[f"vs_{impl}"] = record["ms"] / ours["ms"]
+        if check and "ms" in record and "ms" in ours:
+            try:
+                record["max_abs_diff_vs_triton"] = _max_diff(
+                    jax.jit(fn)(*anchor_args), jax.jit(triton_fn(None, interpret))(*args)
+                )
+            except Exception as e:  # noqa: BLE001
+                record["max_abs_diff_vs_triton"] = repr(e)[:200]
+
+
+def mixed_batches(num_chunks=4, chunk=512, prefix=2048, num_decode=60, smoke=False):
+    """The mixed step and its two parts, as (mixed, chunks, decodes)."""
+    if smoke:
+        num_chunks, chunk, prefix, num_decode = 2, 16, 48, 5
+    rng = np.random.default_rng(0)
+    chunks = tuple((chunk, prefix + chunk) for _ in range(num_chunks))
+    ctx = rng.integers(3 * prefix // 4, 5 * prefix // 4 + 1, size=num_decode)
+    decodes = tuple((1, int(n)) for n in ctx)
+    return (
+        Batch("mixed", chunks + decodes),
+        Batch("mixed:chunks", chunks),
+        Batch("mixed:decodes", decodes),
+    )
+
+
+def run_mixed(runner: Runner, interpret: bool, smoke: bool) -> Batch:
+    """The mixed step against its parts; returns the decode tokens' batch."""
+    mixed, chunks, decodes = mixed_batches(smoke=smoke)
+    print(f"== mixed: {mixed.flops / 1e12:.3f} TFLOP in {len(mixed.seqs)} sequences", flush=True)
+    times = {}
+    for batch in (mixed, chunks, decodes):
+        record = runner.time(
+            batch, "triton", "default", triton_fn(None, interpret), *make_inputs(batch).args()
+        )
+        times[batch.name] = record.get("ms")
+    one_launch = dataclasses.replace(DEFAULT, short_block_q=0)
+    runner.time(
+        mixed,
+        "triton",
+        _config_name(one_launch),
+        triton_fn(one_launch, interpret),
+        *make_inputs(mixed).args(),
+        config=dataclasses.asdict(one_launch),
+    )
+    inputs = make_inputs(decodes)
+    runner.time(
+        decodes,
+        "triton-decode",
+        "default",
+        decode_fn(interpret),
+        inputs.q,
+        inputs.k,
+        inputs.v,
+        inputs.kv_lens,
+        inputs.table,
+        None,
+        None,
+    )
+    if None not in times.values():
+        parts = times[chunks.name] + times[decodes.name]
+        runner.records.append(
+            dict(
+                case=mixed.name,
+                impl="triton",
+                variant="sum of parts",
+                ms=parts,
+                tflops=mixed.flops / parts / 1e9,
+                mixed_over_parts=times[mixed.name] / parts,
+            )
+        )
+    return decodes
+
+
+def run_configs(runner: Runner, batch: Batch, configs, interpret: bool) -> None:
+    print(f"== configs on {batch.name}", flush=True)
+    inputs = make_inputs(batch)
+    for config in configs:
+        name = _config_name(config)
+        if runner.over_budget():
+            runner.records.append(
+                dict(case=batch.name, impl="triton", variant=name, error="budget spent")
+            )
+            continue
+        runner.time(
+            batch,
+            "triton",
+            name,
+            triton_fn(config, interpret),
+            *inputs.args(),
+            config=dataclasses.asdict(config),
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="JSON results file")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=150.0,
+        help="seconds after which the config and length sweeps stop",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes in interpret mode: checks the script on any machine",
+    )
+    a = parser.parse_args()
+    interpret = a.smoke
+    runner = Runner(a.budget_s, iterations=3 if a.smoke else 20)
+    scale = 64 if a.smoke else 1  # smoke: T=8192 becomes 128
+    start = time.monotonic()
+    with quiet_triton_deprecation():
+        headline = Batch(f"b1-t{8192 // scale}", ((8192 // scale, 8192 // scale),))
+        run_prompts(runner, headline, interpret, dense=True, check=True)
+        run_prompts(
+            runner,
+            Batch(f"b4-t{2048 // scale}", ((2048 // scale, 2048 // scale),) * 4),
+            interpret,
+            dense=True,
+        )
+        decodes = run_mixed(runner, interpret, a.smoke)
+        run_configs(runner, headline, CONFIGS[: 2 if a.smoke else None], interpret)
+        run_configs(runner, decodes, SHORT_CONFIGS[: 2 if a.smoke else None], interpret)
+        for length in (512, 1024, 2048, 4096, 16384):
+            length //= scale
+            if runner.over_budget():
+                break
+            run_prompts(runner, Batch(f"b1-t{length}", ((length, length),)), interpret, dense=False)
+    write_results(a.out, "prefill", runner.records)
+    print(
+        f"\n{len(runner.records)} measurements in {time.monotonic() - start:.0f} s; "
+        f"bf16 Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} page {PAGE_SIZE}; "
+        f"written to {a.out}"
+    )
+    columns = [
+        "case",
+        "impl",
+        "variant",
+        "ms",
+        "tflops",
+        "vs_cudnn-paged",
+        "vs_cudnn-dense",
+        "mixed_over_parts",
+        "error",
+    ]
+    print_table(runner.records, columns)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,546 @@
+"""Ragged paged attention in Pallas lowered through Triton: prefill, chunked prefill and decode
+tokens of a flat ragged batch in one call.
+
+The grid is (q block, KV head). A q block is a run of up to `tokens` consecutive tokens of one
+sequence; its score tile has one row per (token, query head of the KV head's group), so each K/V
+tile gathered from the pages is loaded once for the whole GQA group. Which block each grid step
+takes, and which key tiles it visits, is planned in XLA from the batch metadata (`plan_blocks`):
+the grid size depends only on the padded sizes, so a new batch of the same sizes never compiles
+again.
+
+Sequences of a few tokens (decode tokens, speculative drafts) would leave most rows of a large
+tile empty, and their work is bound by reading K/V, not by the tensor cores: a second launch of
+the same kernel with 16-row tiles takes them (`plan_short_sequences`), writing into the outputs
+of the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import (
+    LOG2E,
+    apply_soft_cap,
+    finalize,
+    online_softmax_step,
+    poison_enabled,
+    poisoned,
+    sanitize_metadata,
+    visible,
+)
+
+HEAD_DIMS = (64, 128, 256)
+# (block_q, block_kv) of the long-sequence launch for 16-bit inputs, per head dim.
+_TILES_16BIT = {64: (128, 128), 128: (128, 64), 256: (64, 32)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """Tile sizes and Triton launch options of the prefill kernel.
+
+    Attributes:
+      block_q: rows of a score tile, i.e. query tokens per block times the KV-head group size
+        padded to a power of two (a block holds `max(1, block_q // padded_group)` tokens).
+      block_kv: keys per K/V tile; independent of the page size (keys are gathered one by one
+        through the page table).
+      num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+      short_block_q, short_block_kv, short_num_warps, short_num_stages: the same for the launch
+        that takes the sequences of at most `max(1, short_block_q // padded_group)` tokens;
+        `short_block_q=0` leaves every sequence to the first launch.
+    """
+
+    block_q: int = 128
+    block_kv: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    short_block_q: int = 16
+    short_block_kv: int = 64
+    short_num_warps: int = 4
+    short_num_stages: int = 3
+
+    @classmethod
+    def default(cls, head_dim: int, dtype) -> PrefillConfig:
+        """Defaults for the H100/H200: tiles that Triton 3.6 compiles for sm_90 without register
+        spills (checked with ptxas), with K/V prefetched two tiles ahead (3 stages)."""
+        if jnp.dtype(dtype) == jnp.float32:
+            # IEEE float32 dots run on FMA units, not tensor cores: only small tiles fit in
+            # registers. Float32 is for checking numbers, not for speed.
+            size = 32 if head_dim == 64 else 16
+            return cls(size, size, 4, 2, short_block_q=16, short_block_kv=16, short_num_stages=2)
+        block_q, block_kv = _TILES_16BIT[head_dim]
+        # Short-sequence tiles of 16 KiB of K (and of V) per stage: several programs per SM
+        # keep enough loads in flight for work that is bound by memory.
+        return cls(block_q, block_kv, short_block_kv=8192 // head_dim)
+
+    def validate(self) -> None:
+        sizes = ["block_q", "block_kv", "short_block_kv"]
+        if self.short_block_q:
+            sizes.append("short_block_q")
+        for name in sizes:
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(
+                    f"PrefillConfig.{name} must be a power of two >= 16 (Triton dots and loads "
+                    f"need it){' or 0' if name == 'short_block_q' else ''}; got {size}"
+                )
+        for name in ("num_warps", "short_num_warps"):
+            warps = getattr(self, name)
+            if warps < 1 or warps & (warps - 1):
+                raise ValueError(f"PrefillConfig.{name} must be a power of two; got {warps}")
+        for name in ("num_stages", "short_num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PrefillConfig.{name} must be >= 1; got {getattr(self, name)}")
+
+
+# Rows of the plan (`plan_blocks`); its columns are the grid's q blocks.
+_SEQ, _FIRST_TOKEN, _NUM_TOKENS, _FIRST_POS, _KV_LEN = range(5)
+_TILE_LO, _FULL_LO, _FULL_HI, _TILE_HI = range(5, 9)
+
+
+def num_blocks(num_tokens: int, num_seq_slots: int, tokens: int) -> int:
+    """Upper bound on the q blocks of any batch of these padded sizes: the S sequences and the
+    padding tokens (one more pseudo-sequence) each round up to whole blocks."""
+    return max(1, (num_tokens + (num_seq_slots + 1) * (tokens - 1)) // tokens)
+
+
+def plan_blocks(
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    num_tokens: int,
+    tokens: int,
+    block_kv: int,
+    causal: bool,
+    sliding_window: int | None,
+    skip_up_to: int = 0,
+) -> jax.Array:
+    """The work of every grid step, in XLA: i32[9, num_blocks(...)].
+
+    `cu_q_lens` i32[S+1] and `kv_lens` i32[S] must be sanitized (`sanitize_metadata`). The
+    padding tokens `[cu_q_lens[S], T)` form one more sequence with no keys, so that the kernel
+    itself writes their 0 / -inf. Sequences of at most `skip_up_to` tokens are left to the
+    short-sequence launch (`plan_short_sequences`). Column i says which sequence and tokens
+    step i takes, the position of its first token, and its key tiles: `[tile_lo, tile_hi)`
+    holds every key some row sees, `[full_lo, full_hi)` the tiles every row sees whole (no mask
+    needed). Steps past the last block get no tokens and no tiles.
+
+    Blocks run in reverse order, the last block of the last sequence first: under a causal
+    mask a sequence's last blocks see the most keys, so the GPU's last wave holds short blocks.
+    """
+    num_seq_slots = kv_lens.shape[0]
+    seg_start = cu_q_lens  # [S+1]; segment S is the padding tokens
+    seg_end = jnp.concatenate([cu_q_lens[1:], jnp.full((1,), num_tokens, jnp.int32)])
+    seg_kv = jnp.concatenate([kv_lens, jnp.zeros((1,), jnp.int32)])
+    seg_len = seg_end - seg_start
+    skipped = (seg_len <= skip_up_to) & (jnp.arange(num_seq_slots + 1) < num_seq_slots)
+    seg_blocks = jnp.where(skipped, 0, (seg_len + tokens - 1) // tokens)
+    ends = jnp.cumsum(seg_blocks)
+    total = num_blocks(num_tokens, num_seq_slots, tokens)
+    block = ends[-1] - 1 - jnp.arange(total, dtype=jnp.int32)
+    # The segment of a block is the number of segments that end at or before it.
+    seg = jnp.sum(ends[None, :] <= block[:, None], axis=1, dtype=jnp.int32)
+    seg = jnp.minimum(seg, num_seq_slots)
+    first = seg_start[seg] + (block - (ends[seg] - seg_blocks[seg])) * tokens
+    count = jnp.where(block >= 0, jnp.clip(seg_end[seg] - first, 0, tokens), 0)
+    return _plan_columns(
+        seg,
+        first,
+        count,
+        seg_end[seg],
+        seg_kv[seg],
+        num_seq_slots=num_seq_slots,
+        block_kv=block_kv,
+        causal=causal,
+        sliding_window=sliding_window,
+    )
+
+
+def plan_short_sequences(
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    tokens: int,
+    block_kv: int,
+    causal: bool,
+    sliding_window: int | None,
+) -> jax.Array:
+    """The plan (as `plan_blocks`) of the short-sequence launch, i32[9, S]: step s takes
+    sequence s whole if it has 1 to `tokens` tokens, and nothing otherwise."""
+    num_seq_slots = kv_lens.shape[0]
+    seq = jnp.arange(num_seq_slots, dtype=jnp.int32)
+    q_len = cu_q_lens[1:] - cu_q_lens[:-1]
+    count = jnp.where(q_len <= tokens, q_len, 0)
+    return _plan_columns(
+        seq,
+        cu_q_lens[:-1],
+        count,
+        cu_q_lens[1:],
+        kv_lens,
+        num_seq_slots=num_seq_slots,
+        block_kv=block_kv,
+        causal=causal,
+        sliding_window=sliding_window,
+    )
+
+
+def _plan_columns(
+    seg, first, count, seq_end, kv_len, *, num_seq_slots, block_kv, causal, sliding_window
+):
+    """Plan columns for blocks of `count` tokens from `first` of segments `seg` (S: padding)
+    that end at token `seq_end` and have `kv_len` keys."""
+    pos = kv_len - seq_end + first  # bottom-right alignment: kv_len - q_len + i
+    last = pos + count - 1
+    # Keys some row sees, [lo, hi), and keys every row sees, [full_lo, full_hi).
+    hi = jnp.clip(last + 1, 0, kv_len) if causal else kv_len
+    full_hi = jnp.clip(pos + 1, 0, kv_len) if causal else kv_len
+    if sliding_window is None:
+        lo = full_lo = jnp.zeros_like(pos)
+    else:
+        lo = jnp.maximum(pos - sliding_window + 1, 0)
+        full_lo = jnp.maximum(last - sliding_window + 1, 0)
+    nonempty = (count > 0) & (hi > lo)
+    tile_lo = jnp.where(nonempty, lo // block_kv, 0)
+    tile_hi = jnp.where(nonempty, (hi + block_kv - 1) // block_kv, 0)
+    full_tile_lo = jnp.clip((full_lo + block_kv - 1) // block_kv, tile_lo, tile_hi)
+    full_tile_hi = jnp.clip(full_hi // block_kv, full_tile_lo, tile_hi)
+    # The padding pseudo-sequence has no page-table row: it reads no keys, but the kernel's
+    # page lookups must stay in bounds.
+    seq = jnp.minimum(seg, num_seq_slots - 1)
+    columns = [seq, first, count, pos, kv_len, tile_lo, full_tile_lo, full_tile_hi, tile_hi]
+    return jnp.stack(columns).astype(jnp.int32)
+
+
+def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
+    """`a @ b` (contract_b=0) or `a @ b.T` (contract_b=1) accumulated in float32. HIGHEST makes
+    float32 dots IEEE (Triton would pick TF32); it does not change 16-bit dots."""
+    return lax.dot_general(
+        a,
+        b,
+        (((1,), (contract_b,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _prefill_kernel(
+    plan_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    pages_ref,
+    *refs,
+    sm_scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    tokens: int,
+    group: int,
+    block_kv: int,
+):
+    """One q block of one KV head.
+
+    plan_ref i32[9, blocks]; q_ref [T, Hq, D]; k_ref, v_ref [P, page_size, Hkv, D];
+    pages_ref i32[S, pages_per_seq]; refs ends with o_ref [T, Hq, D] and lse_ref f32[T, Hq]
+    (before them, when the launch updates given outputs, those buffers as aliased inputs).
+    """
+    o_ref, lse_ref = refs[-2:]
+    block, kv_head = pl.program_id(0), pl.program_id(1)
+    page_size = k_ref.shape[1]
+    head_dim = q_ref.shape[2]
+    seq = plan_ref[_SEQ, block]
+    first_token = plan_ref[_FIRST_TOKEN, block]
+    num_tokens = plan_ref[_NUM_TOKENS, block]
+    first_pos = plan_ref[_FIRST_POS, block]
+    kv_len = plan_ref[_KV_LEN, block]
+    tile_lo = plan_ref[_TILE_LO, block]
+    full_lo = plan_ref[_FULL_LO, block]
+    full_hi = plan_ref[_FULL_HI, block]
+    tile_hi = plan_ref[_TILE_HI, block]
+
+    # Row r of the tile is token r // padded_group of the block and query head r % padded_group
+    # of the group (both powers of two, so these are shifts and masks).
+    padded_group = pl.next_power_of_2(group)
+    rows = tokens * padded_group
+    row = jnp.arange(rows, dtype=jnp.int32)
+    token_in_block = lax.div(row, padded_group)
+    head_in_group = lax.rem(row, padded_group)
+    row_ok = (token_in_block < num_tokens) & (head_in_group < group)
+    token = first_token + token_in_block
+    head = kv_head * group + head_in_group
+    # Whole-array indices (no slices) so that masked loads and stores also run in interpret mode.
+    dim = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    q_at = (token[:, None], head[:, None], dim)
+    q = plgpu.load(q_ref.at[q_at], mask=row_ok[:, None], other=0.0)  # [rows, D]
+    q_pos = first_pos + token_in_block
+
+    pages_per_seq = pages_ref.shape[1]
+
+    def tile_pages(index):
+        """Page of every key of tile `index`, [block_kv]; 0 past the page-table row."""
+        slot_page = lax.div(index * block_kv + jnp.arange(block_kv, dtype=jnp.int32), page_size)
+        return plgpu.load(pages_ref.at[seq, slot_page], mask=slot_page < pages_per_seq, other=0)
+
+    def tile(index, next_index, carry, *, masked: bool):
+        # The page-table lookup for the next tile is carried across iterations: a lookup feeding
+        # this iteration's K/V addresses would count as an indirect load in Triton's software
+        # pipeliner, which then prefetches K/V only (num_stages - 1) // 2 tiles ahead.
+        acc, m, l, page = carry
+        next_page = tile_pages(next_index)
+        key = index * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+        kv_at = (page[:, None], lax.rem(key, page_size)[:, None], kv_head, dim)
+        if masked:
+            # Slots past kv_len may hold garbage, even NaN: keep them out of the loads.
+            key_ok = key < kv_len
+            k = plgpu.load(k_ref.at[kv_at], mask=key_ok[:, None], other=0.0)
+            v = plgpu.load(v_ref.at[kv_at], mask=key_ok[:, None], other=0.0)
+        else:
+            k, v = k_ref[kv_at], v_ref[kv_at]
+        logits = _dot(q, k, contract_b=1)  # [rows, block_kv]
+        if logits_soft_cap is None:
+            logits2 = logits * (sm_scale * LOG2E)
+        else:
+            logits2 = apply_soft_cap(logits * sm_scale, logits_soft_cap) * LOG2E
+        if masked:
+            ok = visible(
+                q_pos[:, None], key[None, :], kv_len, causal=causal, sliding_window=sliding_window
+            )
+            logits2 = jnp.where(ok, logits2, -jnp.inf)
+        m, l, alpha, p = online_softmax_step(m, l, logits2)
+        pv = _dot(p.astype(v.dtype), v, contract_b=0)
+        return acc * alpha[:, None] + pv, m, l, next_page
+
+    def full_tile(index, carry):
+        return tile(index, index + 1, carry, masked=False)
+
+    # The masked tiles are the window's leading edge [tile_lo, full_lo) and the causal
+    # diagonal and kv_len end [full_hi, tile_hi): one loop walks both.
+    num_lead = full_lo - tile_lo
+
+    def edge_index(i):
+        return jnp.where(i < num_lead, tile_lo + i, full_hi + (i - num_lead))
+
+    def edge_tile(i, carry):
+        return tile(edge_index(i), edge_index(i + 1), carry, masked=True)
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l, _ = lax.fori_loop(full_lo, full_hi, full_tile, (acc, m, l, tile_pages(full_lo)))
+    acc, m, l, _ = lax.fori_loop(
+        0, num_lead + tile_hi - full_hi, edge_tile, (acc, m, l, tile_pages(edge_index(0)))
+    )
+    out, lse = finalize(acc, m, l)
+    plgpu.store(o_ref.at[q_at], out.astype(o_ref.dtype), mask=row_ok[:, None])
+    plgpu.store(lse_ref.at[token, head], lse, mask=row_ok)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    config: PrefillConfig | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of a flat ragged batch over paged KV (bottom-right causal), one Triton kernel.
+
+    Semantics are those of `jaxpaged.reference.ragged_paged_attention_reference`; the public
+    entry point with full argument checks is `jaxpaged.ragged_paged_attention`.
+
+    Args:
+      q: [T, Hq, D] float32/bfloat16/float16, D in (64, 128, 256).
+      k_pages, v_pages: [P, page_size, Hkv, D], q's dtype; Hq a multiple of Hkv.
+      kv_lens: i32[S]; page_indices: i32[S, pages_per_seq]; cu_q_lens: i32[S+1];
+      num_seqs: i32[] or i32[1].
+      sm_scale, causal, sliding_window, logits_soft_cap: as the reference.
+      config: tiles and launch options; None picks `PrefillConfig.default(D, q.dtype)`.
+      interpret: run in Pallas interpret mode (CPU).
+
+    Returns:
+      `out` [T, Hq, D] in q's dtype and `lse` f32[T, Hq] (natural log); rows with no visible
+      key and padding tokens give 0 and -inf.
+    """
+    head_dim = q.shape[-1]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(
+            f"the Triton prefill kernel needs q's head dim D in {HEAD_DIMS}; got "
+            f"q.shape {q.shape} (D = {head_dim})"
+        )
+    if config is None:
+        config = PrefillConfig.default(head_dim, q.dtype)
+    config.validate()
+    return _ragged_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=float(sm_scale),
+        causal=bool(causal),
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        config=config,
+        interpret=interpret,
+        poison=poison_enabled(),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "causal",
+        "sliding_window",
+        "logits_soft_cap",
+        "config",
+        "interpret",
+        "poison",
+    ),
+)
+def _ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    causal,
+    sliding_window,
+    logits_soft_cap,
+    config,
+    interpret,
+    poison,
+):
+    num_tokens, num_q_heads, _ = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    if num_tokens == 0:
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in _out_shapes(q))
+    padded_group = pl.next_power_of_2(num_q_heads // num_kv_heads)
+    meta = sanitize_metadata(
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        num_tokens=num_tokens,
+        num_pages=num_pages,
+        page_size=page_size,
+    )
+    options = dict(causal=causal, sliding_window=sliding_window)
+    launch = functools.partial(
+        _launch,
+        q,
+        k_pages,
+        v_pages,
+        meta.page_indices,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        interpret=interpret,
+        **options,
+    )
+    tokens = max(1, config.block_q // padded_group)
+    short_tokens = max(1, config.short_block_q // padded_group) if config.short_block_q else 0
+    plan = plan_blocks(
+        meta.cu_q_lens,
+        meta.kv_lens,
+        num_tokens=num_tokens,
+        tokens=tokens,
+        block_kv=config.block_kv,
+        skip_up_to=short_tokens,
+        **options,
+    )
+    outputs = launch(
+        plan,
+        [poisoned(s) for s in _out_shapes(q)] if poison else None,
+        name="ragged_paged_prefill",
+        tokens=tokens,
+        block_kv=config.block_kv,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if not short_tokens:
+        return outputs
+    plan = plan_short_sequences(
+        meta.cu_q_lens, meta.kv_lens, tokens=short_tokens, block_kv=config.short_block_kv, **options
+    )
+    return launch(
+        plan,
+        outputs,
+        name="ragged_paged_prefill_short",
+        tokens=short_tokens,
+        block_kv=config.short_block_kv,
+        num_warps=config.short_num_warps,
+        num_stages=config.short_num_stages,
+    )
+
+
+def _launch(
+    q,
+    k_pages,
+    v_pages,
+    page_indices,
+    plan,
+    outputs,
+    *,
+    name,
+    tokens,
+    block_kv,
+    num_warps,
+    num_stages,
+    sm_scale,
+    causal,
+    sliding_window,
+    logits_soft_cap,
+    interpret,
+):
+    """One launch of the kernel over the q blocks of `plan`. It writes only the rows of its
+    blocks: `outputs`, when given, are (out, lse) buffers that it updates in place."""
+    num_q_heads, num_kv_heads = q.shape[1], k_pages.shape[2]
+    inputs = [plan, q, k_pages, v_pages, page_indices]
+    aliases = {}
+    if outputs is not None:
+        aliases = {len(inputs): 0, len(inputs) + 1: 1}
+        inputs += list(outputs)
+    kernel = functools.partial(
+        _prefill_kernel,
+        sm_scale=sm_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        tokens=tokens,
+        group=num_q_heads // num_kv_heads,
+        block_kv=block_kv,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(plan.shape[1], num_kv_heads),
+        out_shape=_out_shapes(q),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(*inputs)
+
+
+def _out_shapes(q: jax.Array) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """`out` [T, Hq, D] in q's dtype and `lse` f32[T, Hq]."""
+    return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32))
