@@ -69,7 +69,7 @@ def _decode_batch(
 def test_num_splits_large_batch_gets_few_long_sequence_many():
     assert choose_num_splits(64, 8, 4096, block_kv=64) == 3
     assert choose_num_splits(512, 8, 4096, block_kv=64) == 1
-    assert choose_num_splits(1, 8, 32768, block_kv=64) == 128
+    assert choose_num_splits(1, 8, 32768, block_kv=64) == 64
     assert choose_num_splits(8, 8, 32768, block_kv=64) == 17
 
 
@@ -77,12 +77,12 @@ def test_num_splits_large_batch_gets_few_long_sequence_many():
 @pytest.mark.parametrize("max_kv_len", [0, 1, 255, 4096, 131072])
 @pytest.mark.parametrize("block_kv", [32, 64])
 def test_num_splits_rule(num_seqs, max_kv_len, block_kv):
-    """The fewest splits that fill 8 programs per SM, unless a split would get < 4 tiles."""
+    """The fewest splits that fill 8 programs per SM, unless a split would get < 8 tiles."""
     n = choose_num_splits(num_seqs, 8, max_kv_len, block_kv=block_kv)
     assert n >= 1
-    assert n == 1 or max_kv_len // n >= 4 * block_kv
+    assert n == 1 or max_kv_len // n >= 8 * block_kv
     target = 8 * paged_decode.H200_NUM_SMS
-    assert num_seqs * 8 * n >= target or n == max(max_kv_len // (4 * block_kv), 1)
+    assert num_seqs * 8 * n >= target or n == max(max_kv_len // (8 * block_kv), 1)
     assert n == 1 or num_seqs * 8 * (n - 1) < target
     assert choose_num_splits(num_seqs, 8, max_kv_len, block_kv=block_kv, num_sms=2 * 132) >= n
 

@@ -36,7 +36,9 @@ H200_NUM_SMS = 132
 _MIN_DOT_ROWS = 16
 # `choose_num_splits`: programs wanted per SM, and the least work per split in tiles.
 _PROGRAMS_PER_SM = 8
-_MIN_TILES_PER_SPLIT = 4
+# 8, not 4: on the H200, B=1 ctx 32768 ran at 2.87 TB/s with 128 splits of 4 tiles and at
+# 3.27 TB/s with 64 splits of 8 (benchmarks/results/decode_h200_run3.json).
+_MIN_TILES_PER_SPLIT = 8
 # Tokens per KV tile for 2-byte inputs, per head dim: 16 KiB per K (and per V) tile.
 _DEFAULT_BLOCK_KV = {64: 128, 128: 64, 256: 32}
 
@@ -97,15 +99,15 @@ def choose_num_splits(
     Rule: the grid has `num_seqs * num_kv_heads * splits` programs. Take the fewest splits that
     give at least `_PROGRAMS_PER_SM` (8) programs per SM, so that the last, partial wave and
     uneven sequence lengths cost little; but give every split at least `_MIN_TILES_PER_SPLIT`
-    (4) tiles of `block_kv` keys of the longest possible sequence (`max_kv_len`), so that the
+    (8) tiles of `block_kv` keys of the longest possible sequence (`max_kv_len`), so that the
     fixed cost of a program (loading q, filling the pipeline, writing a partial state) stays
     small against its KV traffic. A large batch thus gets one or a few splits, a single long
     sequence many. Always >= 1.
 
     >>> choose_num_splits(64, 8, 4096, block_kv=64)  # 512 programs per split
     3
-    >>> choose_num_splits(1, 8, 32768, block_kv=64)  # capped by 4 tiles per split
-    128
+    >>> choose_num_splits(1, 8, 32768, block_kv=64)  # capped by 8 tiles per split
+    64
     """
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = pl.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
