@@ -90,6 +90,10 @@ class Decoder(nnx.Module):
             param_dtype=config.dtype,
             rngs=rngs,
         )
+        # Logits come out of the float32 accumulator unrounded: rounded to bfloat16 they move in
+        # steps of 2^-6 at |logit| 2-4, so argmax near-ties become exact ties broken by token
+        # index and one rounding step of the chosen token's logit moves its log-probability by
+        # 0.016 nats.
         self.lm_head = nnx.Linear(
             config.hidden_size,
             config.vocab_size,
@@ -97,6 +101,7 @@ class Decoder(nnx.Module):
             dtype=config.dtype,
             param_dtype=config.dtype,
             precision=config.precision,
+            preferred_element_type=jnp.float32,
             rngs=rngs,
         )
 
@@ -119,7 +124,7 @@ class Decoder(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] -> f32[N, vocab]."""
-        return self.lm_head(hidden).astype(jnp.float32)
+        return self.lm_head(hidden)
 
 
 def init_kv_pages(config: ModelConfig, num_pages: int, page_size: int) -> KVPages:

@@ -191,7 +191,7 @@ class Engine:
             self.scheduler.on_failed_step()
             return []
         if record_prompt_logits:
-            self._record_prompt_logits(plan, np.asarray(out.logits))
+            self._record_logits(plan, np.asarray(out.logits))
         self._count(plan, elapsed)
         finished = self.scheduler.update(plan, tokens, logprobs)
         self._release_pending()
@@ -243,17 +243,19 @@ class Engine:
         self.pool = jaxpaged.release(self.pool, ids)
         self.scheduler.to_release.clear()
 
-    def _record_prompt_logits(self, plan: Plan, logits: np.ndarray) -> None:
+    def _record_logits(self, plan: Plan, logits: np.ndarray) -> None:
         offset = 0
         for i, c in enumerate(plan.chunks):
             seq = c.seq
             if seq.prompt_logits is None:
                 seq.prompt_logits = np.full((seq.prompt_len, self.vocab_size), np.nan, np.float32)
+            # A decode step's logits are per row; a mixed step's per token.
+            rows = logits[i : i + 1] if plan.decode else logits[offset : offset + c.length]
             end = min(c.start + c.length, seq.prompt_len)
             if c.start < end:
-                # A decode step's logits are per row; a mixed step's per token.
-                rows = logits[i : i + 1] if plan.decode else logits[offset : offset + end - c.start]
-                seq.prompt_logits[c.start : end] = rows
+                seq.prompt_logits[c.start : end] = rows[: end - c.start]
+            if c.samples:
+                seq.output_logits.append(rows[-1])
             offset += c.length
 
     def _count(self, plan: Plan, elapsed: float) -> None:

@@ -37,7 +37,8 @@ class Sequence:
     `num_cached` of them have their K/V in the pages of pool slot `slot` (-1 while not running).
     `logprobs[i]` is the log-probability of generated token i under the model (temperature 1).
     `prompt_logits` [prompt_len, vocab], filled when the engine records them: row p is the
-    prediction after prompt token p."""
+    prediction after prompt token p. `output_logits[i]` f32[vocab], recorded with them: the
+    logits generated token i was chosen from (so `output_logits[0]` is `prompt_logits[-1]`)."""
 
     id: int
     tokens: list[int]
@@ -47,6 +48,7 @@ class Sequence:
     num_cached: int = 0
     logprobs: list[float] = dataclasses.field(default_factory=list)
     prompt_logits: np.ndarray | None = None
+    output_logits: list[np.ndarray] = dataclasses.field(default_factory=list)
 
     @property
     def output(self) -> list[int]:

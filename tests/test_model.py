@@ -131,6 +131,9 @@ def test_chunked_prefill_then_decode_matches_single_shot_f32(backend, prompt_len
     np.testing.assert_allclose(seq.prompt_logits, ref.prompt_logits, rtol=0, atol=F32_LOGIT_TOL)
     assert seq.output == ref.output
     np.testing.assert_allclose(seq.logprobs, ref.logprobs, rtol=0, atol=F32_LOGIT_TOL)
+    assert len(seq.output_logits) == len(seq.output)
+    np.testing.assert_array_equal(seq.output_logits[0], seq.prompt_logits[-1])
+    np.testing.assert_allclose(seq.output_logits, ref.output_logits, rtol=0, atol=F32_LOGIT_TOL)
 
 
 CPU_BF16 = {
@@ -139,13 +142,50 @@ CPU_BF16 = {
 }
 
 
+def _top2(logits: np.ndarray) -> str:
+    second, first = np.argsort(logits)[-2:]
+    return (
+        f"top-1 {first} ({logits[first]:.4f}), top-2 {second} ({logits[second]:.4f}), "
+        f"margin {logits[first] - logits[second]:.4f}"
+    )
+
+
+def _greedy_report(seq: Sequence, ref: Sequence) -> str:
+    """Where two greedy runs part: the first differing step with both runs' top-2 logits there,
+    the smallest top-1/top-2 margin of the reference before it, and the log-probability drift."""
+    diverge = next(
+        (i for i, (a, b) in enumerate(zip(seq.output, ref.output, strict=True)) if a != b), None
+    )
+    same = len(ref.output) if diverge is None else diverge
+    dlp = np.abs(np.subtract(seq.logprobs[:same], ref.logprobs[:same]))
+    margins = [np.subtract(*np.sort(x)[:-3:-1]) for x in ref.output_logits[:same]]
+    lines = [
+        f"mean |dlogprob| {np.mean(dlp) if same else 0:.4g}, max {np.max(dlp, initial=0):.4g} "
+        f"over the {same} agreeing steps (all 32: "
+        f"{np.mean(np.abs(np.subtract(seq.logprobs, ref.logprobs))):.4g})",
+        f"reference's smallest top-1/top-2 margin there: {np.min(margins, initial=np.inf):.4g}",
+    ]
+    if diverge is not None:
+        a, b = seq.output_logits[diverge], ref.output_logits[diverge]
+        lines += [
+            f"first differing step {diverge}: chunked {seq.output[diverge]}, single-shot "
+            f"{ref.output[diverge]}",
+            f"  chunked:     {_top2(a)}",
+            f"  single-shot: {_top2(b)}",
+            f"  max |dlogit| there {np.max(np.abs(a - b)):.4g}",
+        ]
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize(("backend", "prompt_len", "chunk"), _cases(CPU_BF16))
 def test_chunked_prefill_greedy_continuation_bf16(backend, prompt_len, chunk):
     _require(backend)
     ref = _single_shot(backend, jnp.bfloat16, prompt_len, 32)
     seq = _chunked(backend, jnp.bfloat16, prompt_len, chunk, 32)
-    assert seq.output == ref.output
-    assert np.mean(np.abs(np.subtract(seq.logprobs, ref.logprobs))) <= BF16_LOGPROB_TOL
+    report = _greedy_report(seq, ref)
+    print(report)  # shown with -rA or -s, also when the test passes
+    assert seq.output == ref.output, report
+    assert np.mean(np.abs(np.subtract(seq.logprobs, ref.logprobs))) <= BF16_LOGPROB_TOL, report
 
 
 # Four requests with greedy and seeded sampling; with a budget of 32 tokens and chunks of 16
