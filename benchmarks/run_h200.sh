@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One device call on the H200: GPU tests and/or benchmarks, everything logged under $OUT.
 #   bash benchmarks/run_h200.sh tests prefill decode mosaic e2e
+# The recorded suites (README table, notebooks) write $OUT/h200_<suite>.json:
+#   bash benchmarks/run_h200.sh suites e2e    # decode + prefill + mixed in one process (~5 min)
+#   bash benchmarks/run_h200.sh decode-suite   # or one at a time: prefill-suite, mixed-suite
+# SUITE_ARGS (e.g. --quick) and E2E_ARGS are passed on.
 # Each step is independent: a failing one is reported and the next still runs.
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -17,7 +21,11 @@ for step in "$@"; do
     prefill) python3 -m benchmarks.prefill --out "$OUT/prefill.json" ;;
     decode) python3 -m benchmarks.decode --out "$OUT/decode.json" ;;
     mosaic) python3 -m benchmarks.mosaic_decode --out "$OUT/mosaic_decode.json" ;;
-    e2e) python3 -m benchmarks.e2e --out "$OUT/e2e.json" ;;
+    suites) python3 -m benchmarks.attention --suite decode prefill mixed \
+      --out "$OUT/h200_{suite}.json" ${SUITE_ARGS:-} ;;
+    decode-suite|prefill-suite|mixed-suite) python3 -m benchmarks.attention \
+      --suite "${step%-suite}" --out "$OUT/h200_${step%-suite}.json" ${SUITE_ARGS:-} ;;
+    e2e) python3 -m benchmarks.e2e --out "$OUT/h200_e2e.json" ${E2E_ARGS:-} ;;
     demo) python3 -m models.generate --config tiny --json ;;
     *) echo "unknown step $step"; false ;;
   esac

@@ -1,0 +1,421 @@
+"""The recorded H200 suites: decode, prefill and mixed batches against every anchor, in one run.
+
+    python -m benchmarks.attention --suite decode prefill mixed --out "results/h200_{suite}.json"
+
+bf16, Hq=32, Hkv=8, D=128. The measurement code is that of `benchmarks.decode`,
+`benchmarks.prefill` and `benchmarks.mosaic_decode` (inputs, kernel calls, CUPTI timing, error
+records); this script only picks the cases and the anchors and writes one JSON file per suite:
+the environment header (GPU, jax, commit, date) and per measurement the shape, implementation,
+CUPTI median kernel time, TB/s of unique KV (decode) or TFLOP/s (prefill, mixed) and, for our
+kernels, `vs_<anchor>` = anchor time / our time, both measured in this run.
+
+- decode: batch {1, 8, 64, 256} x context {512, 2048, 8192, 32768} x page {16, 64} where the KV
+  fits in 2 GiB, B=64 ctx 4096 and ragged U[1, 4096]. Ours: Triton and Mosaic GPU decode
+  kernels (defaults). Anchors: cuDNN paged (private JAX API), JAX's deprecated Pallas-Triton
+  `paged_attention` (k_splits from `jax_k_splits`; also JAX's default 16 on headline cases) and
+  the XLA reference on two cases. Every implementation reads the same pool of exactly the
+  batch's pages in random order (cuDNN's requirement). Cases whose KV fits in the 60 MiB L2
+  are marked `l2_resident`: their TB/s is not HBM bandwidth. First record: an HBM copy ceiling.
+- prefill: causal prompts B=1 T {512, 2048, 8192, 16384} and B=4 T=2048 against cuDNN paged,
+  cuDNN dense and JAX's Mosaic GPU FA3 (`attention_mgpu`, fp16: it fails on bf16 in 0.11.2);
+  4 chunks of 512 or 2048 tokens on 2048- or 8192-token prefixes against the XLA reference only
+  (cuDNN's causal mask is top-left, wrong for chunks: never timed there). First record: the
+  XLA bf16 matmul ceiling (8192^3).
+- mixed: chunks plus decode tokens in one ragged call, against its parts run separately (chunks
+  by the ragged kernel, decodes by the fastest of the ragged, Triton and Mosaic decode kernels).
+
+The suites stop starting cases once `--budget-s` (per suite) is spent: skipped cases are
+recorded as such. A failing measurement records its error and the run goes on. `--quick`
+runs the headline cases only; `--smoke` runs tiny shapes in interpret mode (any machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import decode, mosaic_decode, prefill
+from benchmarks.common import L2_BYTES, environment, kernel_time_ms, print_table
+from jaxpaged import quiet_triton_deprecation, ragged_paged_attention
+
+SUITES = ("decode", "prefill", "mixed")
+NUM_SMS = 132
+# Default per-suite budgets (seconds of wall time, compiles included), sized so that the three
+# suites fit in about 5 minutes of one device call.
+BUDGET_S = {"decode": 130.0, "prefill": 100.0, "mixed": 30.0}
+OURS = ("triton", "mosaic")
+
+# Decode: the largest KV (K plus V) a case may read; bigger cases are not run.
+MAX_DECODE_KV_BYTES = 2 * 2**30
+DECODE_HEADLINE = (
+    decode.Case("b64-ctx4096-p16", 64, 4096, 16, xla=True),
+    decode.Case("b64-ctx4096-p64", 64, 4096, 64),
+    decode.Case("b8-ctx32768-p64", 8, 32768, 64),
+    decode.Case("b1-ctx32768-p16", 1, 32768, 16),
+    decode.Case("b64-ragged4096-p16", 64, 4096, 16, ragged=True),
+)
+DECODE_SMOKE = (
+    decode.Case("b4-ctx256-p16", 4, 256, 16, xla=True),
+    decode.Case("b3-ragged256-p64", 3, 256, 64, ragged=True),
+)
+# Prefill: (batch, T) causal prompts and (chunk, prefix) chunks, 4 sequences each.
+PROMPTS = ((1, 8192), (4, 2048), (1, 512), (1, 2048), (1, 16384))
+CHUNKS = ((512, 2048), (2048, 8192), (512, 8192), (2048, 2048))
+CHUNK_SEQS = 4
+PROMPTS_SMOKE, CHUNKS_SMOKE = ((1, 128), (2, 64)), ((16, 48),)
+# Mixed: arguments of `benchmarks.prefill.mixed_batches`.
+MIXED = (
+    dict(num_chunks=4, chunk=512, prefix=2048, num_decode=60),
+    dict(num_chunks=2, chunk=2048, prefix=8192, num_decode=124),
+)
+MIXED_SMOKE = (dict(num_chunks=2, chunk=16, prefix=48, num_decode=5),)
+
+
+def decode_case(batch: int, ctx: int, page_size: int, ragged: bool = False) -> decode.Case:
+    kind = "ragged" if ragged else "ctx"
+    return decode.Case(f"b{batch}-{kind}{ctx}-p{page_size}", batch, ctx, page_size, ragged=ragged)
+
+
+def decode_cases(quick: bool = False) -> list[decode.Case]:
+    """Headline cases first, so that a budget cut keeps them; then the grid and ragged p64."""
+    if quick:
+        return list(DECODE_HEADLINE)
+    grid = [
+        decode_case(b, ctx, p)
+        for b in (1, 8, 64, 256)
+        for ctx in (512, 2048, 8192, 32768)
+        for p in (16, 64)
+        if _kv_bytes(b, ctx) <= MAX_DECODE_KV_BYTES
+    ]
+    grid.append(decode_case(64, 4096, 64, ragged=True))
+    xla = {"b8-ctx2048-p16"}
+    headline = {case.name for case in DECODE_HEADLINE}
+    rest = [
+        dataclasses.replace(case, xla=case.name in xla)
+        for case in grid
+        if case.name not in headline
+    ]
+    return [*DECODE_HEADLINE, *rest]
+
+
+def _kv_bytes(batch: int, ctx: int) -> int:
+    return (
+        batch * ctx * decode.NUM_KV_HEADS * decode.HEAD_DIM * 2 * jnp.dtype(decode.DTYPE).itemsize
+    )
+
+
+def jax_k_splits(batch: int, pages_per_seq: int) -> int:
+    """k_splits for JAX's `paged_attention`: the fewest (a power of two dividing the pages of a
+    sequence) that give its grid of B x Hkv x k_splits programs two per SM."""
+    k = 1
+    while batch * decode.NUM_KV_HEADS * k < 2 * NUM_SMS and pages_per_seq % (2 * k) == 0:
+        k *= 2
+    return k
+
+
+def add_ratios(records: list[dict], anchors: tuple[str, ...]) -> None:
+    """`vs_<anchor>` on our records: the anchor's best time in the same case over ours."""
+    for r in records:
+        if r.get("impl") not in OURS or "ms" not in r:
+            continue
+        for anchor in anchors:
+            times = [
+                a["ms"]
+                for a in records
+                if a["case"] == r["case"] and a.get("impl") == anchor and "ms" in a
+            ]
+            if times:
+                r[f"vs_{anchor}"] = min(times) / r["ms"]
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _guard(fn: Callable) -> Callable:
+    """`fn` raising only exceptions with a message: the Runners' error records read the first
+    line of the message (a bare `assert` in a kernel would otherwise end the run)."""
+
+    @functools.wraps(fn)
+    def guarded(*args):
+        try:
+            return fn(*args)
+        except Exception as e:
+            if str(e).strip():
+                raise
+            raise RuntimeError(f"{type(e).__name__} (no message) in {fn.__name__}") from e
+
+    return guarded
+
+
+def _skip(records: list[dict], case: str, **info) -> None:
+    records.append(dict(case=case, error="skipped: --budget-s spent", **info))
+    print(f"== {case}: skipped, budget spent", flush=True)
+
+
+def hbm_copy_ceiling(num_bytes: int, iterations: int) -> dict:
+    """An elementwise negation of `num_bytes` (read once, written once): HBM's practical rate."""
+    record = dict(case="hbm-copy", impl="ceiling", variant="-x", bytes=2 * num_bytes)
+    try:
+        x = jax.random.normal(jax.random.key(0), (num_bytes // 2,), jnp.bfloat16)
+        ms = kernel_time_ms(jnp.negative, x, iterations=iterations)
+        record.update(ms=ms, tb_s=2 * num_bytes / ms / 1e9)
+    except Exception as e:  # noqa: BLE001 - record and go on
+        record["error"] = _error(e)
+    print(f"== hbm copy ceiling: {record.get('tb_s', record.get('error'))}", flush=True)
+    return record
+
+
+def matmul_ceiling(n: int, iterations: int) -> dict:
+    """XLA's bf16 n^3 matmul: the compute ceiling prefill is plotted against."""
+    record = dict(case=f"matmul-{n}", impl="ceiling", variant="xla bf16", flops=2 * n**3)
+    try:
+        a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in (0, 1))
+        ms = kernel_time_ms(jnp.matmul, a, b, iterations=iterations)
+        record.update(ms=ms, tflops=2 * n**3 / ms / 1e9)
+    except Exception as e:  # noqa: BLE001 - record and go on
+        record["error"] = _error(e)
+    print(f"== matmul ceiling: {record.get('tflops', record.get('error'))}", flush=True)
+    return record
+
+
+def run_decode(cases, *, interpret: bool, budget_s: float, iterations: int, smoke: bool):
+    runner = decode.Runner(budget_s, iterations)
+    runner.records.append(hbm_copy_ceiling(2**23 if smoke else 2**31, iterations))
+    headline = {case.name for case in DECODE_HEADLINE}
+    for case in cases:
+        shape = dict(
+            batch=case.batch,
+            ctx=case.ctx,
+            page_size=case.page_size,
+            ragged=case.ragged,
+            headline=case.name in headline or smoke,
+        )
+        if runner.over_budget():
+            _skip(runner.records, case.name, **shape)
+            continue
+        pages_per_seq = case.ctx // case.page_size
+        slot_bytes = case.page_size * decode.NUM_KV_HEADS * decode.HEAD_DIM * 2
+        # A pool of exactly the batch's pages in random order: cuDNN's requirement, and the
+        # same bytes for every implementation.
+        inputs = decode.make_inputs(case, case.batch * pages_per_seq * slot_bytes)
+        shape.update(kv_bytes=inputs.kv_bytes, l2_resident=inputs.kv_bytes <= L2_BYTES)
+        print(f"== {case.name}: {inputs.kv_bytes / 2**20:.0f} MiB of KV", flush=True)
+        args = (inputs.q, inputs.k, inputs.v, inputs.kv_lens, inputs.table)
+        timed = [
+            ("triton", "default", decode.triton_fn(None, None, interpret), args),
+            ("mosaic", "default", mosaic_decode.mosaic_fn(None, None), args),
+            ("cudnn-paged", "paged", decode.cudnn_fn, args),
+        ]
+        k_t, v_t = (jnp.transpose(x, (2, 0, 1, 3)) for x in (inputs.k, inputs.v))
+        jax_args = (inputs.q, k_t, v_t, inputs.kv_lens, inputs.table)
+        splits = [jax_k_splits(case.batch, pages_per_seq)]
+        if case.name in headline and pages_per_seq % 16 == 0 and splits[0] != 16:
+            splits.append(16)  # JAX's default
+        for k in splits:
+            timed.append(
+                ("jax-pallas", f"k_splits={k}", decode.jax_pallas_fn(k, interpret), jax_args)
+            )
+        if case.xla:
+            timed.append(("xla", "reference", decode.xla_fn, args))
+        for impl, variant, fn, fn_args in timed:
+            runner.time(case, inputs, impl, variant, _guard(fn), *fn_args, **shape)
+        del inputs, args, jax_args, k_t, v_t
+        decode._pool.cache_clear()  # the next case gets its own exact pool
+    add_ratios(runner.records, ("cudnn-paged", "jax-pallas", "xla"))
+    return runner.records
+
+
+def mgpu_fa3_fn(q, k, v):
+    """JAX's Mosaic GPU FA3 forward, causal, on dense [B, T, H, D] fp16 inputs."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = attention_mgpu.TuningConfig(
+        block_q=64, block_kv=128, max_concurrent_steps=2, causal=True
+    )
+    return attention_mgpu.attention(q, k, v, config)
+
+
+def xla_ragged_fn(q, k, v, kv_lens, table, cu_q_lens, num_seqs):
+    return ragged_paged_attention(
+        q, k, v, kv_lens, table, cu_q_lens, num_seqs, implementation="xla"
+    )
+
+
+def run_prefill(
+    prompts, chunks, *, interpret: bool, budget_s: float, iterations: int, smoke: bool
+) -> list[dict]:
+    runner = prefill.Runner(budget_s, iterations)
+    runner.records.append(matmul_ceiling(256 if smoke else 8192, iterations))
+    batches = [
+        (
+            prefill.Batch(f"b{b}-t{t}", ((t, t),) * b),
+            dict(num_seqs=b, q_len=t, kv_len=t, causal=True),
+        )
+        for b, t in prompts
+    ]
+    batches += [
+        (
+            prefill.Batch(f"b{CHUNK_SEQS}-c{c}-prefix{p}", ((c, p + c),) * CHUNK_SEQS),
+            dict(num_seqs=CHUNK_SEQS, q_len=c, kv_len=p + c, causal=True, chunk=True),
+        )
+        for c, p in chunks
+    ]
+    xla_cases = {batches[-1][0].name} if smoke else {f"b{CHUNK_SEQS}-c512-prefix2048"}
+    for i, (batch, shape) in enumerate(batches):
+        shape.update(page_size=prefill.PAGE_SIZE, headline=i < 2 or smoke, flops=batch.flops)
+        if runner.over_budget():
+            _skip(runner.records, batch.name, **shape)
+            continue
+        print(f"== {batch.name}: {batch.flops / 1e12:.3f} TFLOP", flush=True)
+        inputs = prefill.make_inputs(batch)
+        args = inputs.args()
+        timed = [("triton", "default", prefill.triton_fn(None, interpret), args)]
+        if not shape.get("chunk"):  # cuDNN's and FA3's causal masks are top-left
+            k, v = prefill.dense_kv(inputs)
+            q = inputs.q.reshape(shape["num_seqs"], -1, *inputs.q.shape[1:])
+            timed += [
+                ("cudnn-paged", "causal", prefill.cudnn_paged_fn, args),
+                ("cudnn-dense", "causal", prefill.cudnn_dense_fn, (inputs.q, k, v, *args[3:])),
+                (
+                    "mosaic-fa3",
+                    "fp16 dense causal",
+                    mgpu_fa3_fn,
+                    tuple(x.astype(jnp.float16) for x in (q, k, v)),
+                ),
+            ]
+        if batch.name in xla_cases:
+            timed.append(("xla", "reference", xla_ragged_fn, args))
+        for impl, variant, fn, fn_args in timed:
+            runner.time(batch, impl, variant, _guard(fn), *fn_args, **shape)
+        del inputs, args, timed
+    add_ratios(runner.records, ("cudnn-paged", "cudnn-dense", "mosaic-fa3", "xla"))
+    return runner.records
+
+
+def run_mixed(configs, *, interpret: bool, budget_s: float, iterations: int, smoke: bool):
+    runner = prefill.Runner(budget_s, iterations)
+    for i, config in enumerate(configs):
+        mixed, chunks, decodes = prefill.mixed_batches(**config)
+        tag = "mixed-c{chunk}x{num_chunks}-prefix{prefix}-d{num_decode}".format(**config)
+        mixed, chunks, decodes = (
+            dataclasses.replace(b, name=tag + b.name.removeprefix("mixed"))
+            for b in (mixed, chunks, decodes)
+        )
+        shape = dict(mixed=tag, headline=i == 0, page_size=prefill.PAGE_SIZE, **config)
+        if runner.over_budget():
+            _skip(runner.records, mixed.name, **shape)
+            continue
+        print(f"== {tag}: {mixed.flops / 1e12:.3f} TFLOP in {len(mixed.seqs)} seqs", flush=True)
+        ms, best_decode = {}, "triton"
+        for batch in (mixed, chunks, decodes):
+            record = runner.time(
+                batch,
+                "triton",
+                "default",
+                prefill.triton_fn(None, interpret),
+                *prefill.make_inputs(batch).args(),
+                part=batch.name.removeprefix(tag).lstrip(":") or "mixed",
+                **shape,
+            )
+            ms[batch.name] = record.get("ms")
+        d = prefill.make_inputs(decodes)
+        decode_args = (d.q, d.k, d.v, d.kv_lens, d.table)
+        decode_kernels = [
+            ("triton-decode", prefill.decode_fn(interpret), (*decode_args, None, None)),
+            ("mosaic-decode", mosaic_decode.mosaic_fn(None, None), decode_args),
+        ]
+        for impl, fn, fn_args in decode_kernels:
+            record = runner.time(
+                decodes, impl, "default", _guard(fn), *fn_args, part="decodes", **shape
+            )
+            if record.get("ms") and (ms[decodes.name] is None or record["ms"] < ms[decodes.name]):
+                ms[decodes.name], best_decode = record["ms"], impl
+        if i == 0:
+            inputs = prefill.make_inputs(mixed)
+            runner.time(mixed, "xla", "reference", xla_ragged_fn, *inputs.args(), **shape)
+        if ms[chunks.name] and ms[decodes.name]:
+            parts = ms[chunks.name] + ms[decodes.name]
+            runner.records.append(
+                dict(
+                    case=mixed.name,
+                    impl="parts",
+                    variant=f"chunks by triton + decodes by {best_decode}",
+                    ms=parts,
+                    tflops=mixed.flops / parts / 1e9,
+                    **shape,
+                )
+            )
+            if ms[mixed.name]:
+                runner.records[-1]["mixed_over_parts"] = ms[mixed.name] / parts
+    add_ratios(runner.records, ("parts", "xla"))
+    return runner.records
+
+
+def write(path: Path, suite: str, records: list[dict], wall_s: float, argv: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = {
+        "suite": suite,
+        **environment(),
+        "dtype": "bfloat16",
+        "num_q_heads": decode.NUM_Q_HEADS,
+        "num_kv_heads": decode.NUM_KV_HEADS,
+        "head_dim": decode.HEAD_DIM,
+        "command": "python -m benchmarks.attention " + " ".join(argv),
+        "wall_s": round(wall_s, 1),
+    }
+    path.write_text(json.dumps({**header, "cases": records}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--suite", nargs="+", choices=SUITES, required=True)
+    parser.add_argument(
+        "--out", required=True, help="JSON file per suite; '{suite}' is replaced by its name"
+    )
+    parser.add_argument("--budget-s", type=float, default=None, help="per suite (default: sized)")
+    parser.add_argument("--quick", action="store_true", help="headline cases only")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes in interpret mode (any machine)"
+    )
+    a = parser.parse_args(argv)
+    if len(a.suite) > 1 and "{suite}" not in a.out:
+        parser.error("--out needs '{suite}' when several suites run")
+    iterations = 3 if a.smoke else 20
+    options = dict(interpret=a.smoke, iterations=iterations, smoke=a.smoke)
+    for suite in a.suite:
+        start = time.monotonic()
+        budget = a.budget_s if a.budget_s is not None else BUDGET_S[suite]
+        with quiet_triton_deprecation():
+            if suite == "decode":
+                cases = DECODE_SMOKE if a.smoke else decode_cases(a.quick)
+                records = run_decode(cases, budget_s=budget, **options)
+                columns = ["case", "impl", "variant", "ms", "tb_s", "vs_cudnn-paged", "error"]
+            elif suite == "prefill":
+                prompts = PROMPTS_SMOKE if a.smoke else PROMPTS[: 2 if a.quick else None]
+                chunks = CHUNKS_SMOKE if a.smoke else CHUNKS[: 1 if a.quick else None]
+                records = run_prefill(prompts, chunks, budget_s=budget, **options)
+                columns = ["case", "impl", "variant", "ms", "tflops", "vs_cudnn-paged", "error"]
+            else:
+                configs = MIXED_SMOKE if a.smoke else MIXED[: 1 if a.quick else None]
+                records = run_mixed(configs, budget_s=budget, **options)
+                columns = ["case", "impl", "variant", "ms", "tflops", "mixed_over_parts", "error"]
+        wall_s = time.monotonic() - start
+        path = Path(a.out.format(suite=suite))
+        write(path, suite, records, wall_s, argv)
+        print(f"\n{suite}: {len(records)} records in {wall_s:.0f} s, written to {path}")
+        print_table(records, columns)
+
+
+if __name__ == "__main__":
+    main()

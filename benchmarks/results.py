@@ -1,0 +1,258 @@
+"""Recorded benchmark results, loaded in one format for the notebooks and the README summary.
+
+`load(suite)` reads `benchmarks/results/h200_<suite>.json` (written by `benchmarks.attention`
+or `benchmarks.e2e`) or, while that file does not exist, the newest earlier recording of the
+suite (`mosaic_decode_h200_run*.json` for decode, `prefill_h200_run*.json` for prefill and
+mixed), and raises `FileNotFoundError` when there is none: a plot of nothing is never shown.
+
+Normalized records are dicts with `case`, `impl`, `variant`, `ms` (CUPTI median kernel time),
+`tb_s` (decode: unique KV bytes / time) or `tflops` (prefill, mixed: attention FLOPs / time) or
+`error`, and the case's shape (decode: `batch`, `ctx`, `page_size`, `ragged`, `l2_resident`;
+prefill: `num_seqs`, `q_len`, `kv_len`, `chunk`). `impl` is one of ours (`triton`, `mosaic`),
+an anchor (`cudnn-paged`, `cudnn-dense`, `jax-pallas`, `mosaic-fa3`, `xla`), `ceiling`, or in
+mixed batches the decode kernels and `parts` (the batch's parts run separately).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Ceilings quoted when a recording has none of its own (shared/GPU.md).
+HBM_PEAK_TB_S = 4.8  # H200 datasheet
+MATMUL_PEAK_TFLOPS = 812.0  # XLA bf16 8192^3, CUPTI median, measured on the H200 2026-11-29
+L2_BYTES = 60 * 2**20
+OURS = ("triton", "mosaic")
+ANCHORS = ("cudnn-paged", "cudnn-dense", "jax-pallas", "mosaic-fa3", "xla")
+LABELS = {
+    "triton": "Triton (ours)",
+    "mosaic": "Mosaic GPU (ours)",
+    "cudnn-paged": "cuDNN paged",
+    "cudnn-dense": "cuDNN dense",
+    "jax-pallas": "JAX Pallas paged_attention",
+    "mosaic-fa3": "JAX Mosaic FA3 (fp16)",
+    "xla": "XLA reference",
+}
+# Prompts that the summary quotes from the earlier prefill recording.
+HEADLINE_T = {(1, 8192), (4, 2048)}
+_LEGACY = {
+    "decode": "mosaic_decode_h200_run*.json",
+    "prefill": "prefill_h200_run*.json",
+    "mixed": "prefill_h200_run*.json",
+}
+
+
+@dataclasses.dataclass
+class Results:
+    suite: str
+    path: Path
+    header: dict  # device, jax, commit, date, ...
+    cases: list[dict]
+
+    def source(self) -> str:
+        """One line naming the file and where and when it was measured."""
+        h = self.header
+        commit = (h.get("commit") or "?")[:7]
+        return (
+            f"`benchmarks/results/{self.path.name}`: {h.get('device')}, jax {h.get('jax')}, "
+            f"commit {commit}, {str(h.get('date', '?'))[:10]}"
+        )
+
+    def measured(self, impl: str | None = None) -> list[dict]:
+        return [c for c in self.cases if "ms" in c and impl in (None, c["impl"])]
+
+    def ceiling(self, case_prefix: str) -> dict | None:
+        found = [c for c in self.measured("ceiling") if c["case"].startswith(case_prefix)]
+        return found[0] if found else None
+
+    def pick(self, impl: str) -> dict[str, dict]:
+        """Per case, the record that stands for `impl`: our kernels' `default` variant where
+        one was timed, otherwise (and for anchors) the fastest variant."""
+        chosen: dict[str, dict] = {}
+        for c in self.measured(impl):
+            old = chosen.get(c["case"])
+            if old is None or _rank(c) < _rank(old):
+                chosen[c["case"]] = c
+        return chosen
+
+
+def _rank(record: dict) -> tuple:
+    return (record.get("variant") != "default", record["ms"])
+
+
+def load(suite: str, directory: Path = RESULTS_DIR) -> Results:
+    """The recorded results of `suite` ("decode", "prefill", "mixed" or "e2e")."""
+    directory = Path(directory)
+    current = directory / f"h200_{suite}.json"
+    if current.exists():
+        return _from_file(suite, current, _current)
+    legacy = sorted(directory.glob(_LEGACY.get(suite, "-")), key=_run_number)
+    if legacy:
+        return _from_file(
+            suite, legacy[-1], _legacy_decode if suite == "decode" else _legacy_prefill
+        )
+    raise FileNotFoundError(
+        f"no {suite} results in {directory}: run `bash benchmarks/run_h200.sh {suite}-suite` "
+        f"on the H200 and copy $OUT/h200_{suite}.json there"
+    )
+
+
+def load_all(directory: Path = RESULTS_DIR) -> dict[str, Results]:
+    """Every suite that has results; raises `FileNotFoundError` when none has."""
+    found = {}
+    for suite in ("decode", "prefill", "mixed", "e2e"):
+        try:
+            found[suite] = load(suite, directory)
+        except FileNotFoundError:
+            pass
+    if not found:
+        raise FileNotFoundError(f"no benchmark results in {directory}")
+    return found
+
+
+def _run_number(path: Path) -> int:
+    match = re.search(r"run(\d+)", path.name)
+    return int(match.group(1)) if match else 0
+
+
+def _from_file(suite: str, path: Path, normalize) -> Results:
+    data = json.loads(path.read_text())
+    header = {k: v for k, v in data.items() if k != "cases"}
+    cases = [c for c in (normalize(suite, dict(c)) for c in data["cases"]) if c is not None]
+    if not cases:
+        raise FileNotFoundError(f"{path} has no {suite} cases")
+    return Results(suite, path, header, cases)
+
+
+def _current(suite: str, c: dict) -> dict:
+    if suite == "e2e":
+        c.setdefault("case", f"{c['kind']}-{c.get('batch', c.get('chunk'))}")
+        c.setdefault("impl", c.get("implementation"))
+    return c
+
+
+def _legacy_decode(suite: str, c: dict) -> dict:
+    """`benchmarks.mosaic_decode` records: case `b64-ctx4096-ps16`, `kernel` labels."""
+    b, kind, ctx, page = re.fullmatch(r"b(\d+)-(ctx|ragged)(\d+)-ps(\d+)", c["case"]).groups()
+    label = c.pop("kernel")
+    impl, _, variant = label.partition(" ")
+    if label == "cudnn paged":
+        impl, variant = "cudnn-paged", "paged"
+    c.update(
+        impl=impl,
+        variant=variant or "default",
+        batch=int(b),
+        ctx=int(ctx),
+        page_size=int(page),
+        ragged=kind == "ragged",
+        l2_resident=c.get("kv_bytes", L2_BYTES + 1) <= L2_BYTES,
+        headline=True,
+    )
+    return c
+
+
+def _legacy_prefill(suite: str, c: dict) -> dict | None:
+    """`benchmarks.prefill` records: prompts `b1-t8192` and the mixed step `mixed[:part]`."""
+    prompt = re.fullmatch(r"b(\d+)-t(\d+)", c["case"])
+    if suite == "prefill" and prompt:
+        b, t = map(int, prompt.groups())
+        c.update(num_seqs=b, q_len=t, kv_len=t, chunk=False, headline=(b, t) in HEADLINE_T)
+        return c
+    if suite == "mixed" and c["case"].startswith("mixed"):
+        base, _, part = c["case"].partition(":")
+        c.update(case=c["case"], mixed=base, part=part or "mixed", headline=True)
+        if c["variant"] == "sum of parts":
+            c.update(impl="parts", variant="chunks + decodes by triton")
+        return c
+    return None
+
+
+def decode_panels(res: Results) -> list[tuple[int, int]]:
+    """(batch, page_size) of the uniform-length decode cases, sorted."""
+    return sorted(
+        {(c["batch"], c["page_size"]) for c in res.measured() if "ctx" in c and not c.get("ragged")}
+    )
+
+
+def plot_decode(res: Results):
+    """TB/s of KV against context, one panel per (batch, page size), one line per
+    implementation; hollow markers where the KV fits in L2; HBM ceilings as lines."""
+    import matplotlib.pyplot as plt
+
+    panels = decode_panels(res)
+    if not panels:
+        raise ValueError(f"{res.path} has no measured uniform-length decode case")
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False, sharey=True)
+    copy = res.ceiling("hbm-copy")
+    for ax, (batch, page) in zip(axes.flat, panels, strict=False):
+        for impl in (*OURS, *ANCHORS):
+            points = sorted(
+                (c["ctx"], c["tb_s"], c.get("l2_resident", False))
+                for c in res.pick(impl).values()
+                if c.get("batch") == batch and c.get("page_size") == page and not c.get("ragged")
+            )
+            if not points:
+                continue
+            x, y, _ = zip(*points, strict=True)
+            (line,) = ax.plot(x, y, "-", label=LABELS[impl])
+            for xi, yi, in_l2 in points:
+                color = line.get_color()
+                ax.plot(xi, yi, "o", color=color, mfc="none" if in_l2 else color)
+        ax.axhline(HBM_PEAK_TB_S, color="k", ls="--", lw=1, label="HBM peak (datasheet)")
+        if copy:
+            ax.axhline(copy["tb_s"], color="gray", ls=":", lw=1, label="HBM copy (measured)")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"decode B={batch}, page {page}")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("TB/s of KV")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize="small")
+    fig.suptitle(
+        f"{res.source().replace('`', '')}\nhollow markers: KV fits in the 60 MiB L2",
+        fontsize="small",
+    )
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    return fig
+
+
+def plot_prefill(res: Results):
+    """TFLOP/s of one-sequence causal prompts against T, one line per implementation, with
+    the matmul ceiling (this run's, else GPU.md's)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = 0
+    for impl in (*OURS, *ANCHORS):
+        points = sorted(
+            (c["q_len"], c["tflops"])
+            for c in res.pick(impl).values()
+            if c.get("num_seqs") == 1 and not c.get("chunk")
+        )
+        if points:
+            ax.plot(*zip(*points, strict=True), "o-", label=LABELS[impl])
+            plotted += 1
+    if not plotted:
+        raise ValueError(f"{res.path} has no measured B=1 causal prompt")
+    matmul = res.ceiling("matmul")
+    peak, label = (
+        (matmul["tflops"], "bf16 matmul (this run)")
+        if matmul
+        else (MATMUL_PEAK_TFLOPS, "bf16 matmul (GPU.md)")
+    )
+    ax.axhline(peak, color="k", ls="--", lw=1, label=f"{label}: {peak:.0f}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt length T (B=1, causal, q_len == kv_len)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(res.source().replace("`", ""), fontsize="small")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,67 @@
+"""The benchmark harness end to end on tiny shapes (interpret mode), the results loader and the
+README's summary table."""
+
+import json
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+from benchmarks import attention, results, summary
+
+matplotlib.use("Agg")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_table_is_the_summary_of_the_recorded_results():
+    block = summary.readme_block((ROOT / "README.md").read_text())
+    assert block == summary.markdown(), "run `python -m benchmarks.summary --write-readme`"
+
+
+def test_smoke_suites_write_results_that_load_plot_and_summarize(tmp_path):
+    attention.main(
+        ["--suite", *attention.SUITES, "--smoke", "--out", f"{tmp_path}/h200_{{suite}}.json"]
+    )
+    for suite in attention.SUITES:
+        data = json.loads((tmp_path / f"h200_{suite}.json").read_text())
+        assert {"device", "jax", "commit", "date", "cases"} <= data.keys()
+        measured = [c for c in data["cases"] if "ms" in c]
+        assert any(c["impl"] == "triton" for c in measured), suite
+        assert all("error" in c for c in data["cases"] if "ms" not in c)
+    decode = results.load("decode", tmp_path)
+    assert all("tb_s" in c and "page_size" in c for c in decode.measured("triton"))
+    assert any("vs_xla" in c for c in decode.measured("triton"))
+    results.plot_decode(decode)
+    results.plot_prefill(results.load("prefill", tmp_path))
+    text = summary.markdown(tmp_path)
+    assert "**Decode**" in text and "**Prefill**" in text and "**Mixed batches**" in text
+
+
+def test_loader_reads_the_recorded_results():
+    found = results.load_all()
+    assert {"decode", "prefill"} <= found.keys()
+    for res in found.values():
+        assert res.measured(), res.path
+
+
+def test_loader_fails_loudly_without_results(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        results.load("decode", tmp_path)
+    with pytest.raises(FileNotFoundError):
+        results.load_all(tmp_path)
+
+
+def test_jax_k_splits_gives_two_programs_per_sm_within_the_pages():
+    assert attention.jax_k_splits(64, 256) == 1
+    assert attention.jax_k_splits(1, 2048) == 64
+    assert attention.jax_k_splits(1, 8) == 8
+    assert attention.jax_k_splits(8, 512) == 8
+
+
+def test_decode_suite_skips_cases_beyond_the_kv_limit():
+    cases = attention.decode_cases()
+    assert all(attention._kv_bytes(c.batch, c.ctx) <= attention.MAX_DECODE_KV_BYTES for c in cases)
+    assert [c.name for c in cases[: len(attention.DECODE_HEADLINE)]] == [
+        c.name for c in attention.DECODE_HEADLINE
+    ]
+    assert len({c.name for c in cases}) == len(cases)
