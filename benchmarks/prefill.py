@@ -9,8 +9,9 @@ bf16, Hq=32, Hkv=8, D=128, page 64. In order:
    2560]), in one call against the sum of its parts run separately (both by this kernel; the
    decode tokens also by the Triton decode kernel), and in one launch (`short_block_q=0`)
    instead of two;
-3. `PrefillConfig` variants: long tiles on B=1 T=8192, short-sequence tiles on the decode
-   tokens, so that the defaults can be picked from one run;
+3. `PrefillConfig` variants: long-launch tiles, depths and page-id fetching on B=1 T=8192
+   (the strongest few also on B=4 T=2048), short-sequence tiles on the decode tokens, so that
+   the defaults can be picked from one run;
 4. B=1 causal prompts of 512..16384 tokens against cuDNN paged.
 Steps 3 and 4 stop when `--budget-s` is spent. cuDNN's causal masks align top-left, which is
 right only where q_len == kv_len: it is timed on those shapes only.
@@ -43,36 +44,38 @@ DTYPE = jnp.bfloat16
 SCALE = HEAD_DIM**-0.5
 
 DEFAULT = PrefillConfig.default(HEAD_DIM, DTYPE)
-# Long-tile variants timed on B=1 T=8192 besides the default (128, 64, 8 warps, 3 stages).
-# Offline Triton 3.6 builds for sm_90 show no register spills except (128, 128) (up to about
-# 50 bytes), and (64, 64, 8 warps) at 138 registers and 112 KiB of shared memory, so two
-# programs fit on an SM.
+# Long-launch variants timed on B=1 T=8192 besides the default (128 rows, 128 keys, 8 warps,
+# 5 stages, page ids through the pipeliner: K/V two tiles ahead). (block_kv, num_stages,
+# carry_page_ids); all 128 rows and 8 warps: the K/V prefetch depth (one to three tiles) with
+# page ids through the pipeliner, and run 2's default (64, 3, carried) and best (128, 3,
+# carried) as the link to that run. Offline Triton 3.6 builds for sm_90: one program per SM;
+# 128-key tiles spill up to 64 bytes, 64-key tiles none.
 CONFIGS = tuple(
-    dataclasses.replace(DEFAULT, block_q=q, block_kv=k, num_warps=w, num_stages=s)
-    for q, k, w, s in [
-        (128, 64, 8, 4),
-        (128, 128, 8, 2),
-        (128, 128, 8, 3),
-        (128, 32, 8, 4),
-        (64, 64, 8, 3),
-        (64, 64, 8, 4),
-        (64, 128, 8, 3),
-        (64, 64, 4, 3),
+    dataclasses.replace(DEFAULT, block_kv=k, num_stages=s, carry_page_ids=c)
+    for k, s, c in [
+        (128, 3, False),  # K/V one tile ahead: the loop of JAX's dense `mha` (2 stages there)
+        (64, 3, False),
+        (64, 5, False),
+        (64, 8, False),  # K/V three tiles ahead
+        (128, 3, True),
+        (64, 3, True),
     ]
 )
+# The strongest candidates again on B=4 T=2048 (shorter sequences: more prologue per tile).
+CONFIGS_B4 = (CONFIGS[0], CONFIGS[2], CONFIGS[4])
 # Short-sequence variants timed on the decode tokens besides the default (16 rows, 64 keys,
-# 4 warps, 3 stages). tests/test_triton_prefill.py checks every variant on the GPU.
+# 4 warps, 3 stages, page ids carried). tests/test_triton_prefill.py checks every variant on
+# the GPU.
 SHORT_CONFIGS = tuple(
     dataclasses.replace(
-        DEFAULT, short_block_q=q, short_block_kv=k, short_num_warps=w, short_num_stages=s
+        DEFAULT,
+        short_block_kv=k,
+        short_num_stages=s,
+        short_carry_page_ids=c,
     )
-    for q, k, w, s in [
-        (16, 128, 4, 3),
-        (16, 32, 4, 3),
-        (16, 64, 8, 3),
-        (16, 64, 4, 2),
-        (16, 64, 4, 4),
-        (32, 64, 4, 3),
+    for k, s, c in [
+        (64, 2, True),
+        (64, 5, False),
     ]
 )
 
@@ -385,15 +388,12 @@ def main() -> None:
     with quiet_triton_deprecation():
         headline = Batch(f"b1-t{8192 // scale}", ((8192 // scale, 8192 // scale),))
         run_prompts(runner, headline, interpret, dense=True, check=True)
-        run_prompts(
-            runner,
-            Batch(f"b4-t{2048 // scale}", ((2048 // scale, 2048 // scale),) * 4),
-            interpret,
-            dense=True,
-        )
+        b4 = Batch(f"b4-t{2048 // scale}", ((2048 // scale, 2048 // scale),) * 4)
+        run_prompts(runner, b4, interpret, dense=True)
         decodes = run_mixed(runner, interpret, a.smoke)
         run_configs(runner, headline, CONFIGS[: 2 if a.smoke else None], interpret)
-        run_configs(runner, decodes, SHORT_CONFIGS[: 2 if a.smoke else None], interpret)
+        run_configs(runner, b4, CONFIGS_B4[: 1 if a.smoke else None], interpret)
+        run_configs(runner, decodes, SHORT_CONFIGS[: 1 if a.smoke else None], interpret)
         for length in (512, 1024, 2048, 4096, 16384):
             length //= scale
             if runner.over_budget():

@@ -7,6 +7,7 @@ large batches and every benchmarked config compiled on the H200.
 """
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 
@@ -93,10 +94,19 @@ def _abstract_args(*, num_q_heads, num_kv_heads, head_dim, page_size, dtype):
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_lowers_for_cuda(head_dim, heads, dtype):
-    """Every supported shape lowers to Triton IR for sm_90, float32 dots as IEEE (no TF32)."""
+    """Every supported shape lowers to Triton IR for sm_90, float32 dots as IEEE (no TF32), with
+    the page ids of K/V tiles looked up either way (`carry_page_ids`) in both launches."""
     num_q_heads, num_kv_heads = heads
-    for page_size, features in itertools.product(
-        [16, 64], [dict(), dict(sliding_window=37, logits_soft_cap=20.0, causal=False)]
+    default = PrefillConfig.default(head_dim, dtype)
+    flipped = dataclasses.replace(
+        default,
+        carry_page_ids=not default.carry_page_ids,
+        short_carry_page_ids=not default.short_carry_page_ids,
+    )
+    for page_size, features, config in itertools.product(
+        [16, 64],
+        [dict(), dict(sliding_window=37, logits_soft_cap=20.0, causal=False)],
+        [default, flipped],
     ):
         args = _abstract_args(
             num_q_heads=num_q_heads,
@@ -105,7 +115,9 @@ def test_lowers_for_cuda(head_dim, heads, dtype):
             page_size=page_size,
             dtype=dtype,
         )
-        fn = functools.partial(ragged_prefill.ragged_paged_attention, sm_scale=0.1, **features)
+        fn = functools.partial(
+            ragged_prefill.ragged_paged_attention, sm_scale=0.1, config=config, **features
+        )
         with _capture_triton_ir() as texts:
             hlo = lower_for_cuda(fn, *args)
         assert "ragged_paged_prefill_short" in hlo
@@ -269,13 +281,34 @@ def test_compiles_once_per_padded_size():
     "page_size,config",
     [
         (16, PrefillConfig(block_q=64, block_kv=64)),  # 4 pages per K/V tile
+        (16, PrefillConfig(block_q=64, block_kv=64, carry_page_ids=True)),
         (64, PrefillConfig(block_q=32, block_kv=16)),  # 4 K/V tiles per page
+        (64, PrefillConfig(block_q=32, block_kv=16, carry_page_ids=True)),
         (16, PrefillConfig(block_q=16, block_kv=16)),  # a page per tile, 8 tokens per block
         (16, PrefillConfig(block_q=64, block_kv=32, short_block_q=0)),  # one launch for all
         # Sequences of up to 16 tokens in the short launch, its tiles smaller than a page.
         (64, PrefillConfig(block_q=64, block_kv=64, short_block_q=32, short_block_kv=16)),
+        (
+            64,
+            PrefillConfig(
+                block_q=64,
+                block_kv=64,
+                short_block_q=32,
+                short_block_kv=16,
+                short_carry_page_ids=False,
+            ),
+        ),
     ],
-    ids=["page<tile", "page>tile", "page=tile", "one-launch", "short<page"],
+    ids=[
+        "page<tile",
+        "page<tile-carried",
+        "page>tile",
+        "page>tile-carried",
+        "page=tile",
+        "one-launch",
+        "short<page",
+        "short<page-looked-up",
+    ],
 )
 def test_pages_and_tiles(page_size, config):
     """q blocks that span several pages, a prompt over several q blocks, tiles smaller and
@@ -415,9 +448,11 @@ def test_gpu_mixed_batch(head_dim, dtype):
 
 
 def _config_id(c: PrefillConfig) -> str:
+    carried = {True: "-carried", False: ""}
     return (
-        f"q{c.block_q}-kv{c.block_kv}-w{c.num_warps}-s{c.num_stages}-short{c.short_block_q}"
-        f"-kv{c.short_block_kv}-w{c.short_num_warps}-s{c.short_num_stages}"
+        f"q{c.block_q}-kv{c.block_kv}-w{c.num_warps}-s{c.num_stages}{carried[c.carry_page_ids]}"
+        f"-short{c.short_block_q}-kv{c.short_block_kv}-w{c.short_num_warps}"
+        f"-s{c.short_num_stages}{carried[c.short_carry_page_ids]}"
     )
 
 

@@ -38,7 +38,7 @@ from pallas_kernels.common import (
 
 HEAD_DIMS = (64, 128, 256)
 # (block_q, block_kv) of the long-sequence launch for 16-bit inputs, per head dim.
-_TILES_16BIT = {64: (128, 128), 128: (128, 64), 256: (64, 32)}
+_TILES_16BIT = {64: (128, 128), 128: (128, 128), 256: (64, 32)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,29 +51,51 @@ class PrefillConfig:
       block_kv: keys per K/V tile; independent of the page size (keys are gathered one by one
         through the page table).
       num_warps, num_stages: Triton's warps per program and software-pipelining depth.
-      short_block_q, short_block_kv, short_num_warps, short_num_stages: the same for the launch
-        that takes the sequences of at most `max(1, short_block_q // padded_group)` tokens;
-        `short_block_q=0` leaves every sequence to the first launch.
+      carry_page_ids: how a K/V tile's page ids reach its loads. False: the tile's own
+        page-table lookup, which Triton's pipeliner copies asynchronously to shared memory one
+        stage before the K/V tile, so K/V is prefetched `ceil((num_stages - 2) / 2)` tiles
+        ahead and the loop has no synchronous global load. True: looked up one iteration early
+        into registers, so K/V is prefetched `num_stages - 1` tiles ahead, but ptxas copies
+        the loaded ids into the carried registers before the loop's back edge: every iteration
+        ends waiting for a global load issued behind the K/V copies in flight.
+      short_block_q, short_block_kv, short_num_warps, short_num_stages, short_carry_page_ids:
+        the same for the launch that takes the sequences of at most
+        `max(1, short_block_q // padded_group)` tokens; `short_block_q=0` leaves every sequence
+        to the first launch.
     """
 
     block_q: int = 128
-    block_kv: int = 64
+    block_kv: int = 128
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 5
+    carry_page_ids: bool = False
     short_block_q: int = 16
     short_block_kv: int = 64
     short_num_warps: int = 4
     short_num_stages: int = 3
+    short_carry_page_ids: bool = True
 
     @classmethod
     def default(cls, head_dim: int, dtype) -> PrefillConfig:
-        """Defaults for the H100/H200: tiles that Triton 3.6 compiles for sm_90 without register
-        spills (checked with ptxas), with K/V prefetched two tiles ahead (3 stages)."""
+        """Defaults for the H100/H200. Long launch: page ids through the pipeliner and K/V
+        prefetched two tiles ahead (5 stages), tiles that Triton 3.6 compiles for sm_90 in one
+        program per SM (ptxas: at most 64 bytes of spills, at D=128). Short launch: page ids
+        carried, K/V two tiles ahead (3 stages)."""
         if jnp.dtype(dtype) == jnp.float32:
             # IEEE float32 dots run on FMA units, not tensor cores: only small tiles fit in
-            # registers. Float32 is for checking numbers, not for speed.
+            # registers. Float32 is for checking numbers, not for speed. With 2 stages the
+            # pipeliner leaves a tile's own page lookup synchronous, right before its K/V copy.
             size = 32 if head_dim == 64 else 16
-            return cls(size, size, 4, 2, short_block_q=16, short_block_kv=16, short_num_stages=2)
+            return cls(
+                size,
+                size,
+                4,
+                2,
+                carry_page_ids=True,
+                short_block_q=16,
+                short_block_kv=16,
+                short_num_stages=2,
+            )
         block_q, block_kv = _TILES_16BIT[head_dim]
         # Short-sequence tiles of 16 KiB of K (and of V) per stage: several programs per SM
         # keep enough loads in flight for work that is bound by memory.
@@ -243,6 +265,7 @@ def _prefill_kernel(
     tokens: int,
     group: int,
     block_kv: int,
+    carry_page_ids: bool,
 ):
     """One q block of one KV head.
 
@@ -288,11 +311,13 @@ def _prefill_kernel(
         return plgpu.load(pages_ref.at[seq, slot_page], mask=slot_page < pages_per_seq, other=0)
 
     def tile(index, next_index, carry, *, masked: bool):
-        # The page-table lookup for the next tile is carried across iterations: a lookup feeding
-        # this iteration's K/V addresses would count as an indirect load in Triton's software
-        # pipeliner, which then prefetches K/V only (num_stages - 1) // 2 tiles ahead.
-        acc, m, l, page = carry
-        next_page = tile_pages(next_index)
+        # See PrefillConfig.carry_page_ids for the two ways of fetching the page ids.
+        if carry_page_ids:
+            acc, m, l, page = carry
+            next_page = tile_pages(next_index)
+        else:
+            acc, m, l = carry
+            page = tile_pages(index)
         key = index * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
         kv_at = (page[:, None], lax.rem(key, page_size)[:, None], kv_head, dim)
         if masked:
@@ -314,7 +339,8 @@ def _prefill_kernel(
             logits2 = jnp.where(ok, logits2, -jnp.inf)
         m, l, alpha, p = online_softmax_step(m, l, logits2)
         pv = _dot(p.astype(v.dtype), v, contract_b=0)
-        return acc * alpha[:, None] + pv, m, l, next_page
+        state = (acc * alpha[:, None] + pv, m, l)
+        return (*state, next_page) if carry_page_ids else state
 
     def full_tile(index, carry):
         return tile(index, index + 1, carry, masked=False)
@@ -329,14 +355,19 @@ def _prefill_kernel(
     def edge_tile(i, carry):
         return tile(edge_index(i), edge_index(i + 1), carry, masked=True)
 
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
-    m = jnp.full((rows,), -jnp.inf, jnp.float32)
-    l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l, _ = lax.fori_loop(full_lo, full_hi, full_tile, (acc, m, l, tile_pages(full_lo)))
-    acc, m, l, _ = lax.fori_loop(
-        0, num_lead + tile_hi - full_hi, edge_tile, (acc, m, l, tile_pages(edge_index(0)))
+    def with_pages(state, first_index):
+        return (*state[:3], tile_pages(first_index)) if carry_page_ids else state[:3]
+
+    state = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
     )
-    out, lse = finalize(acc, m, l)
+    state = lax.fori_loop(full_lo, full_hi, full_tile, with_pages(state, full_lo))
+    state = lax.fori_loop(
+        0, num_lead + tile_hi - full_hi, edge_tile, with_pages(state, edge_index(0))
+    )
+    out, lse = finalize(*state[:3])
     plgpu.store(o_ref.at[q_at], out.astype(o_ref.dtype), mask=row_ok[:, None])
     plgpu.store(lse_ref.at[token, head], lse, mask=row_ok)
 
@@ -476,6 +507,7 @@ def _ragged_paged_attention(
         block_kv=config.block_kv,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        carry_page_ids=config.carry_page_ids,
     )
     if not short_tokens:
         return outputs
@@ -490,6 +522,7 @@ def _ragged_paged_attention(
         block_kv=config.short_block_kv,
         num_warps=config.short_num_warps,
         num_stages=config.short_num_stages,
+        carry_page_ids=config.short_carry_page_ids,
     )
 
 
@@ -506,6 +539,7 @@ def _launch(
     block_kv,
     num_warps,
     num_stages,
+    carry_page_ids,
     sm_scale,
     causal,
     sliding_window,
@@ -529,6 +563,7 @@ def _launch(
         tokens=tokens,
         group=num_q_heads // num_kv_heads,
         block_kv=block_kv,
+        carry_page_ids=carry_page_ids,
     )
     return pl.pallas_call(
         kernel,
