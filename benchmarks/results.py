@@ -205,7 +205,9 @@ def plot_decode(res: Results):
                 ax.plot(xi, yi, "o", color=color, mfc="none" if in_l2 else color)
         ax.axhline(HBM_PEAK_TB_S, color="k", ls="--", lw=1, label="HBM peak (datasheet)")
         if copy:
-            ax.axhline(copy["tb_s"], color="gray", ls=":", lw=1, label="HBM copy (measured)")
+            ax.axhline(
+                copy["tb_s"], color="gray", ls=":", lw=1, label="XLA copy, read+write (measured)"
+            )
         ax.set_xscale("log", base=2)
         ax.set_ylim(bottom=0)
         ax.set_title(f"decode B={batch}, page {page}")

@@ -60,7 +60,12 @@ def decode_table(res: Results) -> list[str]:
     header = ["B", "context", "page"] + [LABELS[i] for i in impls]
     header += ["Triton vs cuDNN", "Mosaic vs cuDNN"]
     copy = res.ceiling("hbm-copy")
-    ceiling = f"; HBM copy {copy['tb_s']:.2f} TB/s in this run" if copy else ""
+    ceiling = (
+        f"; an XLA copy reads and writes at {copy['tb_s']:.2f} TB/s in this run, below what "
+        "read-only streams like decode reach"
+        if copy
+        else ""
+    )
     note = ["", "\\* no `default` variant in this run: the best variant timed."]
     return [
         f"**Decode**, TB/s of KV (unique K and V bytes / CUPTI median kernel time; HBM peak "
