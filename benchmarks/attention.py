@@ -33,18 +33,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks import decode, mosaic_decode, prefill
-from benchmarks.common import L2_BYTES, environment, kernel_time_ms, print_table
+from benchmarks.common import L2_BYTES, environment, error_text, kernel_time_ms, print_table
 from jaxpaged import quiet_triton_deprecation, ragged_paged_attention
 
 SUITES = ("decode", "prefill", "mixed")
@@ -137,26 +135,6 @@ def add_ratios(records: list[dict], anchors: tuple[str, ...]) -> None:
                 r[f"vs_{anchor}"] = min(times) / r["ms"]
 
 
-def _error(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-
-
-def _guard(fn: Callable) -> Callable:
-    """`fn` raising only exceptions with a message: the Runners' error records read the first
-    line of the message (a bare `assert` in a kernel would otherwise end the run)."""
-
-    @functools.wraps(fn)
-    def guarded(*args):
-        try:
-            return fn(*args)
-        except Exception as e:
-            if str(e).strip():
-                raise
-            raise RuntimeError(f"{type(e).__name__} (no message) in {fn.__name__}") from e
-
-    return guarded
-
-
 def _skip(records: list[dict], case: str, **info) -> None:
     records.append(dict(case=case, error="skipped: --budget-s spent", **info))
     print(f"== {case}: skipped, budget spent", flush=True)
@@ -170,7 +148,7 @@ def hbm_copy_ceiling(num_bytes: int, iterations: int) -> dict:
         ms = kernel_time_ms(jnp.negative, x, iterations=iterations)
         record.update(ms=ms, tb_s=2 * num_bytes / ms / 1e9)
     except Exception as e:  # noqa: BLE001 - record and go on
-        record["error"] = _error(e)
+        record["error"] = error_text(e)
     print(f"== hbm copy ceiling: {record.get('tb_s', record.get('error'))}", flush=True)
     return record
 
@@ -183,7 +161,7 @@ def matmul_ceiling(n: int, iterations: int) -> dict:
         ms = kernel_time_ms(jnp.matmul, a, b, iterations=iterations)
         record.update(ms=ms, tflops=2 * n**3 / ms / 1e9)
     except Exception as e:  # noqa: BLE001 - record and go on
-        record["error"] = _error(e)
+        record["error"] = error_text(e)
     print(f"== matmul ceiling: {record.get('tflops', record.get('error'))}", flush=True)
     return record
 
@@ -228,7 +206,7 @@ def run_decode(cases, *, interpret: bool, budget_s: float, iterations: int, smok
         if case.xla:
             timed.append(("xla", "reference", decode.xla_fn, args))
         for impl, variant, fn, fn_args in timed:
-            runner.time(case, inputs, impl, variant, _guard(fn), *fn_args, **shape)
+            runner.time(case, inputs, impl, variant, fn, *fn_args, **shape)
         del inputs, args, jax_args, k_t, v_t
         decode._pool.cache_clear()  # the next case gets its own exact pool
     add_ratios(runner.records, ("cudnn-paged", "jax-pallas", "xla"))
@@ -296,7 +274,7 @@ def run_prefill(
         if batch.name in xla_cases:
             timed.append(("xla", "reference", xla_ragged_fn, args))
         for impl, variant, fn, fn_args in timed:
-            runner.time(batch, impl, variant, _guard(fn), *fn_args, **shape)
+            runner.time(batch, impl, variant, fn, *fn_args, **shape)
         del inputs, args, timed
     add_ratios(runner.records, ("cudnn-paged", "cudnn-dense", "mosaic-fa3", "xla"))
     return runner.records
@@ -335,9 +313,7 @@ def run_mixed(configs, *, interpret: bool, budget_s: float, iterations: int, smo
             ("mosaic-decode", mosaic_decode.mosaic_fn(None, None), decode_args),
         ]
         for impl, fn, fn_args in decode_kernels:
-            record = runner.time(
-                decodes, impl, "default", _guard(fn), *fn_args, part="decodes", **shape
-            )
+            record = runner.time(decodes, impl, "default", fn, *fn_args, part="decodes", **shape)
             if record.get("ms") and (ms[decodes.name] is None or record["ms"] < ms[decodes.name]):
                 ms[decodes.name], best_decode = record["ms"], impl
         if i == 0:

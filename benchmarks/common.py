@@ -11,6 +11,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,10 +37,50 @@ def kernel_time_ms(fn: Callable, *args, iterations: int = 20) -> float:
         return step_time_ms(fn, *args, iterations=iterations)
 
 
+def error_text(e: BaseException) -> str:
+    """A failure as one line for a results record (exceptions may carry no message)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
+
+
+class Runner:
+    """Times calls and records them; a failure becomes the record's error and the run goes on.
+
+    `rate_key` names the rate a record gets (`work / ms / 1e9`: TB/s from bytes, TFLOP/s from
+    FLOPs), `unit` its printed unit. Calls stop being started once `budget_s` has passed.
+    """
+
+    def __init__(self, budget_s: float, iterations: int, *, rate_key: str, unit: str):
+        self.records: list[dict] = []
+        self.deadline = time.monotonic() + budget_s
+        self.iterations = iterations
+        self.rate_key = rate_key
+        self.unit = unit
+
+    def over_budget(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def record(
+        self, case: str, impl: str, variant: str, fn: Callable, *args, work: float, **info
+    ) -> dict:
+        record = dict(case=case, impl=impl, variant=variant, **info)
+        try:
+            ms = kernel_time_ms(fn, *args, iterations=self.iterations)
+            record.update({"ms": ms, self.rate_key: work / ms / 1e9})
+        except Exception as e:  # noqa: BLE001 - record and go on
+            record["error"] = error_text(e)
+        shown = (
+            f"{record['ms']:.4f} ms  {record[self.rate_key]:.3g} {self.unit}"
+            if "ms" in record
+            else record["error"]
+        )
+        print(f"  {impl:13} {variant:28} {shown}", flush=True)
+        self.records.append(record)
+        return record
+
+
 def step_time_ms(fn: Callable, *args, iterations: int = 20) -> float:
     """Median wall time of `fn(*args)` in ms, launch gaps included."""
-    import time
-
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(iterations):

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import kernel_time_ms, print_table, write_results
+from benchmarks import common
+from benchmarks.common import print_table, write_results
 from jaxpaged import paged_decode_attention, quiet_triton_deprecation
 from pallas_kernels.triton import paged_decode
 from pallas_kernels.triton.paged_decode import DecodeConfig
@@ -180,37 +181,16 @@ def xla_fn(q, k, v, kv_lens, table):
     return paged_decode_attention(q, k, v, kv_lens, table, implementation="xla")
 
 
-class Runner:
-    """Measures and records; a failure becomes the record's error and the run goes on."""
+class Runner(common.Runner):
+    """Records TB/s of a case's unique KV bytes."""
 
     def __init__(self, budget_s: float, iterations: int):
-        self.records: list[dict] = []
-        self.deadline = time.monotonic() + budget_s
-        self.iterations = iterations
-
-    def over_budget(self) -> bool:
-        return time.monotonic() > self.deadline
+        super().__init__(budget_s, iterations, rate_key="tb_s", unit="TB/s")
 
     def time(
         self, case: Case, inputs: Inputs, impl: str, variant: str, fn: Callable, *args, **info
     ) -> dict:
-        record = dict(case=case.name, impl=impl, variant=variant, **info)
-        try:
-            ms = kernel_time_ms(fn, *args, iterations=self.iterations)
-            record.update(ms=ms, tb_s=inputs.kv_bytes / ms / 1e9)
-        except Exception as e:  # noqa: BLE001 - record and go on
-            record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        print(
-            f"  {impl:7} {variant:24} "
-            + (
-                f"{record['ms']:.4f} ms  {record['tb_s']:.2f} TB/s"
-                if "ms" in record
-                else record["error"]
-            ),
-            flush=True,
-        )
-        self.records.append(record)
-        return record
+        return self.record(case.name, impl, variant, fn, *args, work=inputs.kv_bytes, **info)
 
 
 def run_anchors(runner: Runner, case: Case, inputs: Inputs, interpret: bool, pool_bytes: int):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import kernel_time_ms, print_table, write_results
+from benchmarks.common import error_text, kernel_time_ms, print_table, write_results
 from pallas_kernels.mosaic import paged_decode as mosaic
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -163,7 +163,7 @@ def run(iterations: int) -> list[dict]:
                 ms = kernel_time_ms(make(), *inputs, iterations=iterations)
                 row.update(ms=ms, tb_s=nbytes / (ms * 1e-3) / 1e12)
             except Exception as e:  # noqa: BLE001 - record and go on to the next kernel
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                row["error"] = error_text(e)
             case_rows.append(row)
         cudnn_ms = next((r.get("ms") for r in case_rows if r["kernel"] == "cudnn paged"), None)
         goal = GOALS.get(name)

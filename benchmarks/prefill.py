@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import kernel_time_ms, print_table, write_results
+from benchmarks import common
+from benchmarks.common import print_table, write_results
 from jaxpaged import quiet_triton_deprecation, ragged_paged_attention
 from pallas_kernels.triton.ragged_prefill import PrefillConfig
 
@@ -211,32 +212,14 @@ def decode_fn(interpret: bool) -> Callable:
     return fn
 
 
-class Runner:
-    """Measures and records; a failure becomes the record's error and the run goes on."""
+class Runner(common.Runner):
+    """Records TFLOP/s of a batch's visible (query, key) pairs."""
 
     def __init__(self, budget_s: float, iterations: int):
-        self.records: list[dict] = []
-        self.deadline = time.monotonic() + budget_s
-        self.iterations = iterations
-
-    def over_budget(self) -> bool:
-        return time.monotonic() > self.deadline
+        super().__init__(budget_s, iterations, rate_key="tflops", unit="TFLOP/s")
 
     def time(self, batch: Batch, impl: str, variant: str, fn: Callable, *args, **info) -> dict:
-        record = dict(case=batch.name, impl=impl, variant=variant, **info)
-        try:
-            ms = kernel_time_ms(fn, *args, iterations=self.iterations)
-            record.update(ms=ms, tflops=batch.flops / ms / 1e9)
-        except Exception as e:  # noqa: BLE001 - record and go on
-            record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        shown = (
-            f"{record['ms']:.4f} ms  {record['tflops']:.1f} TFLOP/s"
-            if "ms" in record
-            else record["error"]
-        )
-        print(f"  {impl:12} {variant:28} {shown}", flush=True)
-        self.records.append(record)
-        return record
+        return self.record(batch.name, impl, variant, fn, *args, work=batch.flops, **info)
 
 
 def _config_name(config: PrefillConfig) -> str:
