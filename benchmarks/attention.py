@@ -44,9 +44,9 @@ import jax.numpy as jnp
 from benchmarks import decode, mosaic_decode, prefill
 from benchmarks.common import L2_BYTES, environment, error_text, kernel_time_ms, print_table
 from jaxpaged import quiet_triton_deprecation, ragged_paged_attention
+from pallas_kernels.common import H200_NUM_SMS
 
 SUITES = ("decode", "prefill", "mixed")
-NUM_SMS = 132
 # Default per-suite budgets (seconds of wall time, compiles included), sized so that the three
 # suites fit in about 5 minutes of one device call.
 BUDGET_S = {"decode": 130.0, "prefill": 100.0, "mixed": 30.0}
@@ -115,7 +115,7 @@ def jax_k_splits(batch: int, pages_per_seq: int) -> int:
     """k_splits for JAX's `paged_attention`: the fewest (a power of two dividing the pages of a
     sequence) that give its grid of B x Hkv x k_splits programs two per SM."""
     k = 1
-    while batch * decode.NUM_KV_HEADS * k < 2 * NUM_SMS and pages_per_seq % (2 * k) == 0:
+    while batch * decode.NUM_KV_HEADS * k < 2 * H200_NUM_SMS and pages_per_seq % (2 * k) == 0:
         k *= 2
     return k
 

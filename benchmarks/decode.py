@@ -33,6 +33,7 @@ import numpy as np
 from benchmarks import common
 from benchmarks.common import print_table, write_results
 from jaxpaged import paged_decode_attention, quiet_triton_deprecation
+from pallas_kernels.common import device_num_sms
 from pallas_kernels.triton import paged_decode
 from pallas_kernels.triton.paged_decode import DecodeConfig
 
@@ -200,7 +201,7 @@ def run_anchors(runner: Runner, case: Case, inputs: Inputs, interpret: bool, poo
         NUM_KV_HEADS,
         case.ctx,
         block_kv=DecodeConfig.default(HEAD_DIM, DTYPE).block_kv,
-        num_sms=paged_decode.default_num_sms(),
+        num_sms=device_num_sms(),
     )
     config = dataclasses.asdict(DecodeConfig.default(HEAD_DIM, DTYPE))
     runner.time(

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import error_text, kernel_time_ms, print_table, write_results
+from pallas_kernels.common import H200_NUM_SMS
 from pallas_kernels.mosaic import paged_decode as mosaic
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -82,7 +83,7 @@ def mosaic_splits(config, splits, batch: int, max_len: int) -> int:
     max_steps = -(-max_len // config.block_kv)
     if splits == "old":
         programs = batch * NUM_KV_HEADS
-        return max(1, min(2 * mosaic.NUM_SMS // programs, max_steps // 4))
+        return max(1, min(2 * H200_NUM_SMS // programs, max_steps // 4))
     rule = mosaic.choose_num_splits(batch, NUM_KV_HEADS, max_steps)
     return rule if splits == "rule" else min(rule * splits, max_steps)
 

@@ -16,6 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 
 LOG2E = math.log2(math.e)
+# Streaming multiprocessors of the H100 SXM and H200: the split rules' target when no GPU is
+# attached (interpret mode, cross-lowering).
+H200_NUM_SMS = 132
 LN2 = math.log(2.0)
 
 
@@ -54,6 +57,14 @@ def sanitize_metadata(
     return RaggedMetadata(cu, kv, pages, n)
 
 
+def device_num_sms() -> int:
+    """SMs of the default device when it is a GPU, else `H200_NUM_SMS`."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        return getattr(device, "core_count", H200_NUM_SMS)
+    return H200_NUM_SMS
+
+
 def apply_soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
     """`cap * tanh(logits / cap)`; the identity when `cap` is None."""
     if cap is None:
@@ -77,6 +88,18 @@ def visible(
     if sliding_window is not None:
         ok = ok & (k_pos > q_pos - sliding_window)
     return ok
+
+
+def dot_f32(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
+    """`a @ b` (contract_b=0) or `a @ b.T` (contract_b=1) accumulated in float32. HIGHEST makes
+    float32 dots IEEE (Triton would pick TF32); it does not change 16-bit dots."""
+    return lax.dot_general(
+        a,
+        b,
+        (((1,), (contract_b,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
 
 
 def online_softmax_step(

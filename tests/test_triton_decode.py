@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxpaged
-from pallas_kernels.common import poison_outputs
+from pallas_kernels.common import H200_NUM_SMS, poison_outputs
 from pallas_kernels.triton import paged_decode
 from pallas_kernels.triton.paged_decode import DecodeConfig, choose_num_splits
 from tests.helpers import assert_close, lower_for_cuda, make_batch, oracle
@@ -81,7 +81,7 @@ def test_num_splits_rule(num_seqs, max_kv_len, block_kv):
     n = choose_num_splits(num_seqs, 8, max_kv_len, block_kv=block_kv)
     assert n >= 1
     assert n == 1 or max_kv_len // n >= 8 * block_kv
-    target = 8 * paged_decode.H200_NUM_SMS
+    target = 8 * H200_NUM_SMS
     assert num_seqs * 8 * n >= target or n == max(max_kv_len // (8 * block_kv), 1)
     assert n == 1 or num_seqs * 8 * (n - 1) < target
     assert choose_num_splits(num_seqs, 8, max_kv_len, block_kv=block_kv, num_sms=2 * 132) >= n

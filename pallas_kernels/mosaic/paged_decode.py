@@ -35,8 +35,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (
+    H200_NUM_SMS,
     LOG2E,
     apply_soft_cap,
+    device_num_sms,
     finalize,
     merge_partial_states,
     online_softmax_step,
@@ -45,7 +47,6 @@ from pallas_kernels.common import (
     visible,
 )
 
-NUM_SMS = 132  # H100 SXM and H200.
 _TILE_M = 64  # `wgmma` M: the rows of the score tile.
 _SWIZZLE = 128  # bytes; every supported D is a multiple of the 64 16-bit elements this spans.
 _SWIZZLE_ELEMS = _SWIZZLE // 2
@@ -99,7 +100,7 @@ def choose_num_splits(
     num_seq_slots: int,
     num_kv_heads: int,
     max_steps: int,
-    num_sms: int = NUM_SMS,
+    num_sms: int = H200_NUM_SMS,
 ) -> int:
     """KV splits per sequence, from shapes only (static, so one compilation per batch shape).
 
@@ -168,7 +169,9 @@ def paged_decode_attention(
     _check(q, page_size, head_dim, group, config, interpret)
     max_steps = _max_steps(pages_per_seq * page_size, sliding_window, config.block_kv)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seq_slots, num_kv_heads, max_steps)
+        num_splits = choose_num_splits(
+            num_seq_slots, num_kv_heads, max_steps, num_sms=device_num_sms()
+        )
     q_rows = _q_rows(group)
     if num_q_heads < q_rows:
         # The Q copy is a box of q_rows heads; smaller q gets padded so the box fits. Larger q

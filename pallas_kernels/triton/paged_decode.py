@@ -21,8 +21,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (
+    H200_NUM_SMS,
     LOG2E,
     apply_soft_cap,
+    device_num_sms,
+    dot_f32,
     finalize,
     merge_partial_states,
     online_softmax_step,
@@ -31,7 +34,6 @@ from pallas_kernels.common import (
     visible,
 )
 
-H200_NUM_SMS = 132
 # `tl.dot` needs at least 16 rows: a group of fewer query heads is padded (and masked) to this.
 _MIN_DOT_ROWS = 16
 # `choose_num_splits`: programs wanted per SM, and the least work per split in tiles.
@@ -164,7 +166,7 @@ def _decode_kernel(
         page = jnp.clip(page, 0, num_pages - 1)
         kv_idx = (page[:, None], lax.rem(pos, page_size)[:, None], head, cols)
         k = plgpu.load(k_ref.at[kv_idx], **kv_kw)  # [block_kv, D]
-        scores = _dot(q, k, contract_b=1)  # [block_h, block_kv]
+        scores = dot_f32(q, k, contract_b=1)  # [block_h, block_kv]
         if logits_soft_cap is None:
             logits2 = scores * (sm_scale * LOG2E)
         else:
@@ -173,7 +175,7 @@ def _decode_kernel(
             logits2 = jnp.where(keep[None, :], logits2, -jnp.inf)
         m, l, alpha, p = online_softmax_step(m, l, logits2)
         v = plgpu.load(v_ref.at[kv_idx], **kv_kw)
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, contract_b=0)
+        acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v, contract_b=0)
         return acc, m, l
 
     carry = (
@@ -200,18 +202,6 @@ def _decode_kernel(
         mask=row_ok[:, None],
     )
     plgpu.store(lse_ref.at[split, seq, head, rows], lse, mask=row_ok)
-
-
-def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
-    """`a @ b` (contract_b=0) or `a @ b.T` (1) accumulated in float32; HIGHEST makes float32
-    inputs IEEE float32 dots (no TF32)."""
-    return lax.dot_general(
-        a,
-        b,
-        (((1,), (contract_b,)), ((), ())),
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
 
 
 def paged_decode_attention(
@@ -272,7 +262,7 @@ def paged_decode_attention(
             num_kv_heads,
             visible_len,
             block_kv=config.block_kv,
-            num_sms=default_num_sms(),
+            num_sms=device_num_sms(),
         )
     elif num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits}")
@@ -293,14 +283,6 @@ def paged_decode_attention(
         interpret=interpret,
         poison=poison_enabled(),
     )
-
-
-def default_num_sms() -> int:
-    """SMs of the default device when it is a GPU, else the H200's 132 (interpret mode)."""
-    device = jax.devices()[0]
-    if device.platform == "gpu":
-        return getattr(device, "core_count", H200_NUM_SMS)
-    return H200_NUM_SMS
 
 
 @functools.partial(

@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import (
     LOG2E,
     apply_soft_cap,
+    dot_f32,
     finalize,
     online_softmax_step,
     poison_enabled,
@@ -239,18 +240,6 @@ def _plan_columns(
     return jnp.stack(columns).astype(jnp.int32)
 
 
-def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
-    """`a @ b` (contract_b=0) or `a @ b.T` (contract_b=1) accumulated in float32. HIGHEST makes
-    float32 dots IEEE (Triton would pick TF32); it does not change 16-bit dots."""
-    return lax.dot_general(
-        a,
-        b,
-        (((1,), (contract_b,)), ((), ())),
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
-
-
 def _prefill_kernel(
     plan_ref,
     q_ref,
@@ -327,7 +316,7 @@ def _prefill_kernel(
             v = plgpu.load(v_ref.at[kv_at], mask=key_ok[:, None], other=0.0)
         else:
             k, v = k_ref[kv_at], v_ref[kv_at]
-        logits = _dot(q, k, contract_b=1)  # [rows, block_kv]
+        logits = dot_f32(q, k, contract_b=1)  # [rows, block_kv]
         if logits_soft_cap is None:
             logits2 = logits * (sm_scale * LOG2E)
         else:
@@ -338,7 +327,7 @@ def _prefill_kernel(
             )
             logits2 = jnp.where(ok, logits2, -jnp.inf)
         m, l, alpha, p = online_softmax_step(m, l, logits2)
-        pv = _dot(p.astype(v.dtype), v, contract_b=0)
+        pv = dot_f32(p.astype(v.dtype), v, contract_b=0)
         state = (acc * alpha[:, None] + pv, m, l)
         return (*state, next_page) if carry_page_ids else state
 
