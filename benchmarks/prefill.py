@@ -233,6 +233,15 @@ def _config_name(config: PrefillConfig) -> str:
     return " ".join(changed)
 
 
+def parse_variant(text: str) -> PrefillConfig:
+    """`"block_q=64,num_warps=4"` -> the default config with those fields changed."""
+    changes = {}
+    for item in text.split(","):
+        name, value = item.split("=")
+        changes[name] = value == "True" if value in ("True", "False") else int(value)
+    return dataclasses.replace(DEFAULT, **changes)
+
+
 def _max_diff(a, b) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
@@ -363,6 +372,14 @@ def main() -> None:
         action="store_true",
         help="tiny shapes in interpret mode: checks the script on any machine",
     )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        metavar="FIELD=VALUE,...",
+        help="time only these PrefillConfig changes (e.g. block_q=64,num_warps=4) on B=1 "
+        "T=8192 and B=4 T=2048, besides the default and cuDNN paged",
+    )
     a = parser.parse_args()
     interpret = a.smoke
     runner = Runner(a.budget_s, iterations=3 if a.smoke else 20)
@@ -372,16 +389,23 @@ def main() -> None:
         headline = Batch(f"b1-t{8192 // scale}", ((8192 // scale, 8192 // scale),))
         run_prompts(runner, headline, interpret, dense=True, check=True)
         b4 = Batch(f"b4-t{2048 // scale}", ((2048 // scale, 2048 // scale),) * 4)
-        run_prompts(runner, b4, interpret, dense=True)
-        decodes = run_mixed(runner, interpret, a.smoke)
-        run_configs(runner, headline, CONFIGS[: 2 if a.smoke else None], interpret)
-        run_configs(runner, b4, CONFIGS_B4[: 1 if a.smoke else None], interpret)
-        run_configs(runner, decodes, SHORT_CONFIGS[: 1 if a.smoke else None], interpret)
-        for length in (512, 1024, 2048, 4096, 16384):
-            length //= scale
-            if runner.over_budget():
-                break
-            run_prompts(runner, Batch(f"b1-t{length}", ((length, length),)), interpret, dense=False)
+        run_prompts(runner, b4, interpret, dense=a.variants is None)
+        if a.variants is not None:
+            configs = [parse_variant(v) for v in a.variants]
+            run_configs(runner, headline, configs, interpret)
+            run_configs(runner, b4, configs, interpret)
+        else:
+            decodes = run_mixed(runner, interpret, a.smoke)
+            run_configs(runner, headline, CONFIGS[: 2 if a.smoke else None], interpret)
+            run_configs(runner, b4, CONFIGS_B4[: 1 if a.smoke else None], interpret)
+            run_configs(runner, decodes, SHORT_CONFIGS[: 1 if a.smoke else None], interpret)
+            for length in (512, 1024, 2048, 4096, 16384):
+                length //= scale
+                if runner.over_budget():
+                    break
+                run_prompts(
+                    runner, Batch(f"b1-t{length}", ((length, length),)), interpret, dense=False
+                )
     write_results(a.out, "prefill", runner.records)
     print(
         f"\n{len(runner.records)} measurements in {time.monotonic() - start:.0f} s; "
