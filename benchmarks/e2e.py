@@ -85,7 +85,6 @@ def _dense_layer(layer, x, k_cache, v_cache, positions, kv_lens, *, prefill: boo
     return x + layer.mlp(layer.post_attention_norm(x)), k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prefill"), donate_argnames="caches")
 def _dense_step(graphdef, params, caches, tokens, start, *, prefill):
     """tokens i32[B, T] at positions start[b] + i; returns next tokens, last logits, caches."""
     model = nnx.merge(graphdef, params)
@@ -101,6 +100,17 @@ def _dense_step(graphdef, params, caches, tokens, start, *, prefill):
     return jnp.argmax(logits, -1).astype(jnp.int32), logits, new_caches
 
 
+@functools.cache
+def _dense_step_fn(graphdef):
+    """`_dense_step` jitted with `graphdef` bound (as the engine binds its step's): a static
+    GraphDef would be hashed on every call, milliseconds of host time per step."""
+    return jax.jit(
+        functools.partial(_dense_step, graphdef),
+        static_argnames="prefill",
+        donate_argnames="caches",
+    )
+
+
 def _dense_caches(config, batch: int, max_len: int):
     shape = (batch, max_len, config.num_kv_heads, config.head_dim)
     return [
@@ -114,7 +124,7 @@ def _dense_prefill(model, prompts: np.ndarray, max_len: int):
     graphdef, params = nnx.split(model)
     start = jnp.zeros(prompts.shape[0], jnp.int32)
     run = functools.partial(
-        _dense_step, graphdef, params, tokens=jnp.asarray(prompts), start=start, prefill=True
+        _dense_step_fn(graphdef), params, tokens=jnp.asarray(prompts), start=start, prefill=True
     )
     jax.block_until_ready(run(_dense_caches(model.config, prompts.shape[0], max_len)))
     caches = _dense_caches(model.config, prompts.shape[0], max_len)
@@ -131,8 +141,7 @@ def _dense_decode_tokens_per_s(model, prompts: np.ndarray, max_len: int, new_tok
     times = []
     for i in range(new_tokens):
         t0 = time.perf_counter()
-        tokens, _, caches = _dense_step(
-            graphdef,
+        tokens, _, caches = _dense_step_fn(graphdef)(
             params,
             caches,
             jnp.asarray(tokens)[:, None],

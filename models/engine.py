@@ -62,12 +62,11 @@ def sample(logits: jax.Array, temperatures: jax.Array, seeds: jax.Array, positio
     return tokens, logprobs
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "decode", "all_logits", "implementation"),
-    donate_argnames=("kv_pages", "pool"),
-)
-def model_step(
+_STATIC = ("decode", "all_logits", "implementation")
+_DONATED = ("kv_pages", "pool")
+
+
+def _model_step(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     kv_pages: KVPages,
@@ -108,6 +107,20 @@ def model_step(
     return kv_pages, pool, StepOutputs(tokens, logprobs, ok, logits)
 
 
+model_step = jax.jit(_model_step, static_argnames=("graphdef", *_STATIC), donate_argnames=_DONATED)
+
+
+@functools.cache
+def step_function(graphdef: nnx.GraphDef):
+    """`model_step` with `graphdef` bound, jitted once per model structure. Dispatch hashes and
+    compares a jitted function's static arguments on every call, and the GraphDef of the 1B
+    decoder takes milliseconds to hash: as a static argument it would cost more host time per
+    decode step than the GPU spends on the step."""
+    return jax.jit(
+        functools.partial(_model_step, graphdef), static_argnames=_STATIC, donate_argnames=_DONATED
+    )
+
+
 @dataclasses.dataclass
 class Stats:
     """Throughput counters. A step that computes any prompt (or recomputed) tokens counts as
@@ -142,6 +155,7 @@ class Engine:
         self.config = config
         self.implementation = implementation
         self.graphdef, self.params = nnx.split(model)
+        self._step_fn = step_function(self.graphdef)
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(
@@ -173,8 +187,7 @@ class Engine:
         inputs = self._inputs(plan)
         start = time.perf_counter()
         with jaxpaged.quiet_triton_deprecation():
-            self.kv_pages, self.pool, out = model_step(
-                self.graphdef,
+            self.kv_pages, self.pool, out = self._step_fn(
                 self.params,
                 self.kv_pages,
                 self.pool,
