@@ -38,6 +38,7 @@ import numpy as np
 from benchmarks import common
 from benchmarks.common import print_table, write_results
 from jaxpaged import quiet_triton_deprecation, ragged_paged_attention
+from pallas_kernels.mosaic.ragged_prefill import MosaicPrefillConfig
 from pallas_kernels.triton.ragged_prefill import PrefillConfig
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 64
@@ -155,6 +156,17 @@ def triton_fn(config: PrefillConfig | None, interpret: bool) -> Callable:
     return fn
 
 
+def mosaic_fn(config: MosaicPrefillConfig | None = None) -> Callable:
+    """The Mosaic GPU prefill kernel (GPU only)."""
+
+    def fn(q, k, v, kv_lens, table, cu_q_lens, num_seqs):
+        return ragged_paged_attention(
+            q, k, v, kv_lens, table, cu_q_lens, num_seqs, implementation="mosaic", config=config
+        )
+
+    return fn
+
+
 def _dense_shape(x: jax.Array, batch: int) -> jax.Array:
     return x.reshape(batch, -1, *x.shape[1:])
 
@@ -233,13 +245,13 @@ def _config_name(config: PrefillConfig) -> str:
     return " ".join(changed)
 
 
-def parse_variant(text: str) -> PrefillConfig:
-    """`"block_q=64,num_warps=4"` -> the default config with those fields changed."""
+def parse_variant(text: str, default=DEFAULT):
+    """`"block_q=64,num_warps=4"` -> `default` (a config) with those fields changed."""
     changes = {}
     for item in text.split(","):
         name, value = item.split("=")
         changes[name] = value == "True" if value in ("True", "False") else int(value)
-    return dataclasses.replace(DEFAULT, **changes)
+    return dataclasses.replace(default, **changes)
 
 
 def _max_diff(a, b) -> float:
@@ -255,6 +267,8 @@ def run_prompts(
     inputs = make_inputs(batch)
     args = inputs.args()
     ours = runner.time(batch, "triton", "default", triton_fn(None, interpret), *args)
+    if not interpret:
+        mosaic = runner.time(batch, "mosaic", "default", mosaic_fn(), *args)
     anchors = [("cudnn-paged", cudnn_paged_fn, args)]
     if dense:
         try:
@@ -264,8 +278,9 @@ def run_prompts(
             runner.records.append(dict(case=batch.name, impl="cudnn-dense", error=repr(e)[:300]))
     for impl, fn, anchor_args in anchors:
         record = runner.time(batch, impl, "causal", fn, *anchor_args)
-        if "ms" in record and "ms" in ours:
-            ours[f"vs_{impl}"] = record["ms"] / ours["ms"]
+        for r in [ours] if interpret else [ours, mosaic]:
+            if "ms" in record and "ms" in r:
+                r[f"vs_{impl}"] = record["ms"] / r["ms"]
         if check and "ms" in record and "ms" in ours:
             try:
                 record["max_abs_diff_vs_triton"] = _max_diff(
@@ -373,6 +388,13 @@ def main() -> None:
         help="tiny shapes in interpret mode: checks the script on any machine",
     )
     parser.add_argument(
+        "--mosaic-variants",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE,...",
+        help="with --variants: MosaicPrefillConfig changes to time too",
+    )
+    parser.add_argument(
         "--variants",
         nargs="+",
         default=None,
@@ -392,8 +414,12 @@ def main() -> None:
         run_prompts(runner, b4, interpret, dense=a.variants is None)
         if a.variants is not None:
             configs = [parse_variant(v) for v in a.variants]
-            run_configs(runner, headline, configs, interpret)
-            run_configs(runner, b4, configs, interpret)
+            mosaic_configs = [parse_variant(v, MosaicPrefillConfig()) for v in a.mosaic_variants]
+            for batch in (headline, b4):
+                run_configs(runner, batch, configs, interpret)
+                inputs = make_inputs(batch)
+                for config in mosaic_configs:
+                    runner.time(batch, "mosaic", str(config), mosaic_fn(config), *inputs.args())
         else:
             decodes = run_mixed(runner, interpret, a.smoke)
             run_configs(runner, headline, CONFIGS[: 2 if a.smoke else None], interpret)

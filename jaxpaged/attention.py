@@ -33,6 +33,7 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 # missing lowering never stops `import jaxpaged`.
 _BACKENDS: dict[str, dict[str, tuple[str, str] | None]] = {
     "ragged": {
+        "mosaic": ("pallas_kernels.mosaic.ragged_prefill", "ragged_paged_attention"),
         "triton": ("pallas_kernels.triton.ragged_prefill", "ragged_paged_attention"),
         "xla": None,
     },
@@ -44,7 +45,7 @@ _BACKENDS: dict[str, dict[str, tuple[str, str] | None]] = {
 }
 # Backends that `implementation=None` may pick, per op and platform, best first.
 _PREFERENCE: dict[str, dict[str, tuple[str, ...]]] = {
-    "ragged": {"gpu": ("triton", "xla"), "cpu": ("xla",)},
+    "ragged": {"gpu": ("mosaic", "triton", "xla"), "cpu": ("xla",)},
     "decode": {"gpu": ("mosaic", "triton", "xla"), "cpu": ("xla",)},
 }
 _GPU_ONLY = {"mosaic"}

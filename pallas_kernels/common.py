@@ -72,6 +72,14 @@ def apply_soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
     return cap * jnp.tanh(logits / cap)
 
 
+def logits_base2(scores: jax.Array, sm_scale: float, logits_soft_cap: float | None) -> jax.Array:
+    """Base-2 logits (`online_softmax_step`'s input) from raw Q K^T scores: one multiply when
+    there is no soft cap."""
+    if logits_soft_cap is None:
+        return scores * (sm_scale * LOG2E)
+    return apply_soft_cap(scores * sm_scale, logits_soft_cap) * LOG2E
+
+
 def visible(
     q_pos: jax.Array,
     k_pos: jax.Array,

@@ -39,11 +39,11 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _ORACLE_OPTIONS = ("sm_scale", "causal", "sliding_window", "logits_soft_cap")
 
 
-def _run(batch, **kw):
+def _run(batch, implementation="triton", **kw):
     """The kernel through the public op, with NaN-poisoned output buffers."""
     with poison_outputs():
         return jaxpaged.ragged_paged_attention(
-            *batch.args(), return_lse=True, implementation="triton", **kw
+            *batch.args(), return_lse=True, implementation=implementation, **kw
         )
 
 
@@ -157,7 +157,7 @@ def test_default_config(head_dim, dtype):
 # --- the plan -------------------------------------------------------------------------------
 
 
-def _plan(batch, *, tokens, block_kv, short_tokens=0, causal=True, sliding_window=None):
+def _plan(batch, *, tokens, block_kv, short_tokens=0, causal=True, sliding_window=None, align=1):
     """The columns of the long-sequence plan, then those of the short one (if any)."""
     num_tokens = batch.q.shape[0]
     meta = sanitize_metadata(
@@ -177,6 +177,7 @@ def _plan(batch, *, tokens, block_kv, short_tokens=0, causal=True, sliding_windo
             num_tokens=num_tokens,
             tokens=tokens,
             skip_up_to=short_tokens,
+            align=align,
             **options,
         )
     ]
@@ -188,7 +189,9 @@ def _plan(batch, *, tokens, block_kv, short_tokens=0, causal=True, sliding_windo
 
 
 @pytest.mark.parametrize(
-    "tokens,short_tokens,block_kv", [(1, 0, 16), (4, 2, 16), (8, 0, 64), (32, 4, 32)]
+    "tokens,short_tokens,block_kv,align",
+    # align 8: the Mosaic GPU prefill kernel's plan (blocks of 128 rows from multiples of 8)
+    [(1, 0, 16, 1), (4, 2, 16, 1), (8, 0, 64, 1), (32, 4, 32, 1), (16, 2, 32, 8), (128, 4, 128, 8)],
 )
 @pytest.mark.parametrize(
     "options",
@@ -196,7 +199,7 @@ def _plan(batch, *, tokens, block_kv, short_tokens=0, causal=True, sliding_windo
     ids=str,
 )
 def test_plan_covers_every_token_once_and_every_visible_key(
-    tokens, short_tokens, block_kv, options
+    tokens, short_tokens, block_kv, align, options
 ):
     """Each token (padding included) is in exactly one block of the two launches; a block's
     tiles hold every key that one of its tokens sees; tiles outside [full_lo, full_hi) are the
@@ -204,7 +207,9 @@ def test_plan_covers_every_token_once_and_every_visible_key(
     rng = np.random.default_rng(tokens * block_kv)
     seqs = [(1, 70), (9, 41), (33, 33), (0, 5), (0, 0), (17, 100), (2, 2), (64, 64), (5, 200)]
     batch = make_batch(rng, seqs, pad_tokens=7, pad_seqs=2)
-    plans, kv = _plan(batch, tokens=tokens, short_tokens=short_tokens, block_kv=block_kv, **options)
+    plans, kv = _plan(
+        batch, tokens=tokens, short_tokens=short_tokens, block_kv=block_kv, align=align, **options
+    )
     causal = options.get("causal", True)
     window = options.get("sliding_window")
     num_tokens = batch.q.shape[0]
@@ -212,7 +217,8 @@ def test_plan_covers_every_token_once_and_every_visible_key(
     for seq, first, count, pos, kv_len, tile_lo, full_lo, full_hi, tile_hi in np.concatenate(
         plans, axis=1
     ).T:
-        assert 0 <= seq < len(kv) and 0 <= count <= tokens
+        # A block's rows start at `first` rounded down to `align`; its tokens fit after that.
+        assert 0 <= seq < len(kv) and 0 <= count <= tokens - first % align
         assert tile_lo <= full_lo <= full_hi <= tile_hi
         seen[first : first + count] += 1
         if count == 0:
@@ -402,7 +408,8 @@ def _reference(batch, **kw):
 
 def _check_against_reference(batch, dtype, **kw):
     """Large batches: the XLA reference (float32, HIGHEST precision) stands in for the float64
-    loop, which would take minutes. Both are within the dtype's tolerance of exact."""
+    loop, which would take minutes. Both are within the dtype's tolerance of exact. `kw` may
+    name another `implementation` (the Mosaic GPU kernel's tests use this too)."""
     out, lse = _run(batch, **kw)
     options = {k: v for k, v in kw.items() if k in _ORACLE_OPTIONS}
     ref_out, ref_lse = _reference(batch, **options)

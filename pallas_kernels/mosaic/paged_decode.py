@@ -36,10 +36,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (
     H200_NUM_SMS,
-    LOG2E,
-    apply_soft_cap,
     device_num_sms,
     finalize,
+    logits_base2,
     merge_partial_states,
     online_softmax_step,
     poison_enabled,
@@ -370,7 +369,7 @@ def _make_body(
                 )
                 ok = visible(kv_len - 1, key, kv_len, causal=False, sliding_window=sliding_window)
                 # NaN logits of keys past kv_len are replaced here, never used.
-                logits2 = jnp.where(ok, _logits2(s, sm_scale, logits_soft_cap), -jnp.inf)
+                logits2 = jnp.where(ok, logits_base2(s, sm_scale, logits_soft_cap), -jnp.inf)
                 m, l, alpha, p = online_softmax_step(m, l, logits2)
                 acc = acc * alpha[:, None]
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -423,14 +422,6 @@ def _make_body(
             plgpu.wait_smem_to_gmem(0)
 
     return body
-
-
-def _logits2(s, sm_scale, logits_soft_cap):
-    """Base-2 logits (`online_softmax_step`'s input) from raw scores, in one multiply when
-    there is no soft cap."""
-    if logits_soft_cap is None:
-        return s * (sm_scale * LOG2E)
-    return apply_soft_cap(s * sm_scale, logits_soft_cap) * LOG2E
 
 
 def _round_up(x: int, m: int) -> int:

@@ -22,11 +22,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (
     H200_NUM_SMS,
-    LOG2E,
-    apply_soft_cap,
     device_num_sms,
     dot_f32,
     finalize,
+    logits_base2,
     merge_partial_states,
     online_softmax_step,
     poison_enabled,
@@ -167,10 +166,7 @@ def _decode_kernel(
         kv_idx = (page[:, None], lax.rem(pos, page_size)[:, None], head, cols)
         k = plgpu.load(k_ref.at[kv_idx], **kv_kw)  # [block_kv, D]
         scores = dot_f32(q, k, contract_b=1)  # [block_h, block_kv]
-        if logits_soft_cap is None:
-            logits2 = scores * (sm_scale * LOG2E)
-        else:
-            logits2 = apply_soft_cap(scores * sm_scale, logits_soft_cap) * LOG2E
+        logits2 = logits_base2(scores, sm_scale, logits_soft_cap)
         if masked:
             logits2 = jnp.where(keep[None, :], logits2, -jnp.inf)
         m, l, alpha, p = online_softmax_step(m, l, logits2)

@@ -26,10 +26,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (
-    LOG2E,
-    apply_soft_cap,
     dot_f32,
     finalize,
+    logits_base2,
     online_softmax_step,
     poison_enabled,
     poisoned,
@@ -127,10 +126,12 @@ _SEQ, _FIRST_TOKEN, _NUM_TOKENS, _FIRST_POS, _KV_LEN = range(5)
 _TILE_LO, _FULL_LO, _FULL_HI, _TILE_HI = range(5, 9)
 
 
-def num_blocks(num_tokens: int, num_seq_slots: int, tokens: int) -> int:
+def num_blocks(num_tokens: int, num_seq_slots: int, tokens: int, align: int = 1) -> int:
     """Upper bound on the q blocks of any batch of these padded sizes: the S sequences and the
-    padding tokens (one more pseudo-sequence) each round up to whole blocks."""
-    return max(1, (num_tokens + (num_seq_slots + 1) * (tokens - 1)) // tokens)
+    padding tokens (one more pseudo-sequence) each round up to whole blocks, after moving
+    their start down to a multiple of `align` (see `plan_blocks`)."""
+    spill = tokens - 1 + align - 1
+    return max(1, (num_tokens + (num_seq_slots + 1) * spill) // tokens)
 
 
 def plan_blocks(
@@ -143,6 +144,7 @@ def plan_blocks(
     causal: bool,
     sliding_window: int | None,
     skip_up_to: int = 0,
+    align: int = 1,
 ) -> jax.Array:
     """The work of every grid step, in XLA: i32[9, num_blocks(...)].
 
@@ -154,6 +156,11 @@ def plan_blocks(
     holds every key some row sees, `[full_lo, full_hi)` the tiles every row sees whole (no mask
     needed). Steps past the last block get no tokens and no tiles.
 
+    With `align` > 1 a sequence's blocks are laid out from its first token rounded down to a
+    multiple of `align`: block rows start on multiples of `align` (the Mosaic GPU kernel's Q
+    copies need it), and a first block's leading rows belong to the previous sequence (a
+    kernel recovers them as `first_token % align` and ignores them).
+
     Blocks run in reverse order, the last block of the last sequence first: under a causal
     mask a sequence's last blocks see the most keys, so the GPU's last wave holds short blocks.
     """
@@ -163,15 +170,17 @@ def plan_blocks(
     seg_kv = jnp.concatenate([kv_lens, jnp.zeros((1,), jnp.int32)])
     seg_len = seg_end - seg_start
     skipped = (seg_len <= skip_up_to) & (jnp.arange(num_seq_slots + 1) < num_seq_slots)
-    seg_blocks = jnp.where(skipped, 0, (seg_len + tokens - 1) // tokens)
+    base = seg_start - seg_start % align
+    seg_blocks = jnp.where(skipped | (seg_len <= 0), 0, (seg_end - base + tokens - 1) // tokens)
     ends = jnp.cumsum(seg_blocks)
-    total = num_blocks(num_tokens, num_seq_slots, tokens)
+    total = num_blocks(num_tokens, num_seq_slots, tokens, align)
     block = ends[-1] - 1 - jnp.arange(total, dtype=jnp.int32)
     # The segment of a block is the number of segments that end at or before it.
     seg = jnp.sum(ends[None, :] <= block[:, None], axis=1, dtype=jnp.int32)
     seg = jnp.minimum(seg, num_seq_slots)
-    first = seg_start[seg] + (block - (ends[seg] - seg_blocks[seg])) * tokens
-    count = jnp.where(block >= 0, jnp.clip(seg_end[seg] - first, 0, tokens), 0)
+    row0 = base[seg] + (block - (ends[seg] - seg_blocks[seg])) * tokens
+    first = jnp.maximum(row0, seg_start[seg])
+    count = jnp.where(block >= 0, jnp.clip(seg_end[seg] - first, 0, row0 + tokens - first), 0)
     return _plan_columns(
         seg,
         first,
@@ -317,10 +326,7 @@ def _prefill_kernel(
         else:
             k, v = k_ref[kv_at], v_ref[kv_at]
         logits = dot_f32(q, k, contract_b=1)  # [rows, block_kv]
-        if logits_soft_cap is None:
-            logits2 = logits * (sm_scale * LOG2E)
-        else:
-            logits2 = apply_soft_cap(logits * sm_scale, logits_soft_cap) * LOG2E
+        logits2 = logits_base2(logits, sm_scale, logits_soft_cap)
         if masked:
             ok = visible(
                 q_pos[:, None], key[None, :], kv_len, causal=causal, sliding_window=sliding_window
@@ -466,19 +472,8 @@ def _ragged_paged_attention(
         page_size=page_size,
     )
     options = dict(causal=causal, sliding_window=sliding_window)
-    launch = functools.partial(
-        _launch,
-        q,
-        k_pages,
-        v_pages,
-        meta.page_indices,
-        sm_scale=sm_scale,
-        logits_soft_cap=logits_soft_cap,
-        interpret=interpret,
-        **options,
-    )
     tokens = max(1, config.block_q // padded_group)
-    short_tokens = max(1, config.short_block_q // padded_group) if config.short_block_q else 0
+    short_tokens = short_tokens_of(config, num_q_heads // num_kv_heads)
     plan = plan_blocks(
         meta.cu_q_lens,
         meta.kv_lens,
@@ -488,7 +483,11 @@ def _ragged_paged_attention(
         skip_up_to=short_tokens,
         **options,
     )
-    outputs = launch(
+    outputs = _launch(
+        q,
+        k_pages,
+        v_pages,
+        meta.page_indices,
         plan,
         [poisoned(s) for s in _out_shapes(q)] if poison else None,
         name="ragged_paged_prefill",
@@ -497,21 +496,74 @@ def _ragged_paged_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         carry_page_ids=config.carry_page_ids,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        interpret=interpret,
+        **options,
     )
     if not short_tokens:
         return outputs
-    plan = plan_short_sequences(
-        meta.cu_q_lens, meta.kv_lens, tokens=short_tokens, block_kv=config.short_block_kv, **options
+    return launch_short_sequences(
+        q,
+        k_pages,
+        v_pages,
+        meta,
+        outputs,
+        config=config,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        interpret=interpret,
+        **options,
     )
-    return launch(
+
+
+def short_tokens_of(config: PrefillConfig, group: int) -> int:
+    """Most tokens of a sequence that the short-sequence launch takes (0: no such launch)."""
+    if not config.short_block_q:
+        return 0
+    return max(1, config.short_block_q // pl.next_power_of_2(group))
+
+
+def launch_short_sequences(
+    q,
+    k_pages,
+    v_pages,
+    meta,
+    outputs,
+    *,
+    config: PrefillConfig,
+    sm_scale,
+    causal,
+    sliding_window,
+    logits_soft_cap,
+    interpret,
+):
+    """The short-sequence launch: attention of every sequence of 1 to `short_tokens_of(config,
+    group)` tokens, written into `outputs` (out [T, Hq, D], lse f32[T, Hq]) in place; other
+    rows keep what they hold. `meta` is sanitized (`sanitize_metadata`). The Mosaic GPU prefill
+    kernel uses it too, for the sequences it leaves out."""
+    options = dict(causal=causal, sliding_window=sliding_window)
+    tokens = short_tokens_of(config, q.shape[1] // k_pages.shape[2])
+    plan = plan_short_sequences(
+        meta.cu_q_lens, meta.kv_lens, tokens=tokens, block_kv=config.short_block_kv, **options
+    )
+    return _launch(
+        q,
+        k_pages,
+        v_pages,
+        meta.page_indices,
         plan,
         outputs,
         name="ragged_paged_prefill_short",
-        tokens=short_tokens,
+        tokens=tokens,
         block_kv=config.short_block_kv,
         num_warps=config.short_num_warps,
         num_stages=config.short_num_stages,
         carry_page_ids=config.short_carry_page_ids,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        interpret=interpret,
+        **options,
     )
 
 

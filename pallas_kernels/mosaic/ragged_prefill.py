@@ -1,0 +1,523 @@
+"""Ragged paged prefill for Hopper (sm_90), lowered through Mosaic GPU.
+
+The work is split as in the Triton prefill kernel (`pallas_kernels.triton.ragged_prefill`):
+an XLA plan (`plan_blocks`) cuts every sequence into blocks of 128 consecutive tokens and lists
+the key tiles each block needs; the grid is (query head, block), so nothing recompiles when
+the batch content changes. One program, three warpgroups:
+
+* the copy warpgroup brings K and V in by TMA, one copy per page (a `[page_size, D]` box of
+  the strided view `k_pages[page, :, kv_head, :]`), `block_kv // page_size` pages per step,
+  `num_stages` steps ahead of compute;
+* two compute warpgroups each own 64 rows of the block (the `wgmma` M) and share every K/V
+  stage: Q K^T and P V by `wgmma`, base-2 online softmax in float32 between them. A barrier
+  that both warpgroups meet twice per step staggers them by half a step, so that one's
+  softmax overlaps the other's matrix products (FlashAttention-3's ping-pong schedule).
+
+Tiles that every row of the block sees whole run without masks; the window's leading edge,
+the causal diagonal and the last tile (keys past `kv_len`) are masked. Slots past `kv_len` may
+hold garbage, even NaN: their logits become -inf, and their V rows are zeroed in shared memory
+before the P V product (P is exactly 0 there, but 0 * NaN is NaN).
+
+Rows are written straight into the final `[T, Hq, D]` layout by TMA boxes of 64, 32, ..., 1
+rows (a block's last rows may belong to the next sequence, which must not be overwritten).
+Sequences of a few tokens (decode tokens) would waste most of a 128-row block, so they go to
+the Triton kernel's short-sequence launch (`launch_short_sequences`), as in the Triton path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import (
+    finalize,
+    logits_base2,
+    online_softmax_step,
+    poison_enabled,
+    poisoned,
+    sanitize_metadata,
+    visible,
+)
+from pallas_kernels.triton import ragged_prefill as triton_prefill
+
+_ROWS = 64  # rows per compute warpgroup: the `wgmma` M
+_COMPUTE_WGS = 2
+_TOKENS = _ROWS * _COMPUTE_WGS  # rows per block
+# A TMA copy into tiled shared memory starts on a tile row: Q rows are copied from multiples of
+# 8 tokens, so blocks start there (`plan_blocks(align=8)`).
+_ALIGN = 8
+_SWIZZLE = 128  # bytes
+_SMEM_LIMIT = 227 * 1024
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Flipped once H200 benchmarks show this kernel ahead of the Triton prefill kernel.
+_PREFERRED_ON_SM90 = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPrefillConfig:
+    """Tuning knobs of the Mosaic GPU prefill kernel.
+
+    Attributes:
+      block_kv: keys per pipeline step (the N of Q K^T): a multiple of 64 and of the page
+        size, at most 256.
+      num_stages: K/V steps buffered in shared memory (`2 * block_kv * D * 2` bytes each).
+      short_sequences: send sequences of at most `16 // group` tokens (at least 1) to the
+        Triton short-sequence launch instead of giving each a 128-token block.
+    """
+
+    block_kv: int = 128
+    num_stages: int = 2
+    short_sequences: bool = True
+
+    def __post_init__(self):
+        if not (isinstance(self.block_kv, int) and self.block_kv % 64 == 0):
+            raise ValueError(f"block_kv must be a multiple of 64; got {self.block_kv!r}")
+        if not 64 <= self.block_kv <= 256:
+            raise ValueError(f"block_kv must be in [64, 256] (wgmma N); got {self.block_kv}")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"num_stages must be an int >= 1; got {self.num_stages!r}")
+
+
+def default_config(head_dim: int) -> MosaicPrefillConfig:
+    """128-key steps (64 at D=256, where two 128-key stages would not fit), two stages."""
+    return MosaicPrefillConfig(block_kv=128 if head_dim <= 128 else 64)
+
+
+def is_preferred(dtype: jnp.dtype) -> bool:
+    """Whether `implementation=None` may pick this kernel: bf16/f16 on sm_90, once benchmarks
+    show it ahead of the Triton prefill kernel."""
+    if not _PREFERRED_ON_SM90 or jnp.dtype(dtype) not in _DTYPES:
+        return False
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    config: MosaicPrefillConfig | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of a flat ragged batch over paged KV (bottom-right causal), Hopper only.
+
+    Semantics and arguments are those of `pallas_kernels.triton.ragged_prefill`'s entry point,
+    with q, k_pages and v_pages in bfloat16 or float16, D a multiple of 64 up to 256 and a
+    page size that is a multiple of 8 dividing `config.block_kv`.
+
+    Returns:
+      `out` [T, Hq, D] in q's dtype and `lse` f32[T, Hq] (natural log); rows with no visible
+      key and padding tokens give 0 and -inf.
+    """
+    head_dim = q.shape[-1]
+    config = default_config(head_dim) if config is None else config
+    _check(q, k_pages.shape[1], config, interpret)
+    return _ragged_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=float(sm_scale),
+        causal=bool(causal),
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        config=config,
+        poison=poison_enabled(),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "causal", "sliding_window", "logits_soft_cap", "config", "poison"),
+)
+def _ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale,
+    causal,
+    sliding_window,
+    logits_soft_cap,
+    config,
+    poison,
+):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    if num_tokens == 0:
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:2], jnp.float32)
+    group = num_q_heads // num_kv_heads
+    meta = sanitize_metadata(
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        num_tokens=num_tokens,
+        num_pages=num_pages,
+        page_size=page_size,
+    )
+    options = dict(causal=causal, sliding_window=sliding_window)
+    short_config = triton_prefill.PrefillConfig.default(head_dim, q.dtype)
+    short_tokens = triton_prefill.short_tokens_of(short_config, group) * config.short_sequences
+    plan = triton_prefill.plan_blocks(
+        meta.cu_q_lens,
+        meta.kv_lens,
+        num_tokens=num_tokens,
+        tokens=_TOKENS,
+        block_kv=config.block_kv,
+        skip_up_to=short_tokens,
+        align=_ALIGN,
+        **options,
+    )
+    # LSE is written per head along tokens (TMA rows of 4-byte elements need a 16-byte
+    # stride: tokens padded to a multiple of 4), and transposed in XLA.
+    lse_tokens = -(-num_tokens // 4) * 4
+    out_types = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((num_q_heads, lse_tokens), jnp.float32),
+    )
+    kernel = plgpu.kernel(
+        _make_body(
+            group=group,
+            page_size=page_size,
+            sm_scale=sm_scale,
+            logits_soft_cap=logits_soft_cap,
+            config=config,
+            **options,
+        ),
+        out_type=() if poison else out_types,
+        scratch_types=_scratch(q.dtype, head_dim, page_size, config),
+        grid=(num_q_heads, plan.shape[1]),
+        grid_names=("head", "block"),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        # tanh.approx is too coarse for the soft-capped logits' LSE tolerance.
+        compiler_params=plgpu.CompilerParams(approx_math=logits_soft_cap is None),
+    )
+    # Q copies are tiled 8 rows deep and the tiling must cover q's rows: pad to a multiple of 8
+    # tokens (no copy when T is one already).
+    q_rows = -(-num_tokens // _ALIGN) * _ALIGN
+    padded_q = q if q_rows == num_tokens else jnp.pad(q, ((0, q_rows - num_tokens), (0, 0), (0, 0)))
+    inputs = (plan, padded_q, k_pages, v_pages, meta.page_indices)
+    if poison:
+        # Outputs start as NaN so that tests see any element the kernel fails to write.
+        out_refs = tuple(jax.new_ref(poisoned(t)) for t in out_types)
+        kernel(*inputs, *out_refs)
+        out, lse_t = (r[...] for r in out_refs)
+    else:
+        out, lse_t = kernel(*inputs)
+    outputs = (out, lse_t[:, :num_tokens].T)
+    if not short_tokens:
+        return outputs
+    return triton_prefill.launch_short_sequences(
+        q,
+        k_pages,
+        v_pages,
+        meta,
+        outputs,
+        config=short_config,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        interpret=False,
+        **options,
+    )
+
+
+def _scratch(dtype, head_dim: int, page_size: int, config: MosaicPrefillConfig):
+    tiled = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
+    kv = plgpu.SMEM((config.num_stages, config.block_kv, head_dim), dtype, transforms=tiled)
+    pages_per_step = config.block_kv // page_size
+    return (
+        # A warpgroup's Q tile is dead once its last Q K^T is done; its output rows (plain
+        # layout: TMA boxes of any row count) then take the same bytes.
+        plgpu.RefUnion(
+            plgpu.SMEM((_COMPUTE_WGS, _ROWS, head_dim), dtype, transforms=tiled),
+            (
+                plgpu.SMEM((_COMPUTE_WGS, _ROWS, head_dim), dtype),
+                plgpu.SMEM((_COMPUTE_WGS, _ROWS), jnp.float32),
+            ),
+        ),
+        kv,
+        kv,
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS),  # Q arrived
+        # K and V arrived: one arrival per page copy.
+        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=config.num_stages),
+        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=config.num_stages),
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=config.num_stages),  # K free
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=config.num_stages),  # V free
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS),  # the ping-pong rendezvous
+    )
+
+
+def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_soft_cap, config):
+    block_kv, stages = config.block_kv, config.num_stages
+    pages_per_step = block_kv // page_size
+    P = triton_prefill  # the plan's row names
+
+    def body(
+        plan_ref,
+        q_ref,
+        k_ref,
+        v_ref,
+        table_ref,
+        out_ref,
+        lse_ref,
+        union,
+        k_smem,
+        v_smem,
+        q_ready,
+        k_ready,
+        v_ready,
+        k_free,
+        v_free,
+        rendezvous,
+    ):
+        q_smem, (o_smem, lse_smem) = union
+        head = lax.axis_index("head")
+        block = lax.axis_index("block")
+        kv_head = lax.div(head, group)
+        seq = plan_ref[P._SEQ, block]
+        first_token = plan_ref[P._FIRST_TOKEN, block]
+        num_tokens = plan_ref[P._NUM_TOKENS, block]
+        first_pos = plan_ref[P._FIRST_POS, block]
+        kv_len = plan_ref[P._KV_LEN, block]
+        tile_lo = plan_ref[P._TILE_LO, block]
+        full_lo = plan_ref[P._FULL_LO, block]
+        full_hi = plan_ref[P._FULL_HI, block]
+        tile_hi = plan_ref[P._TILE_HI, block]
+        # Step i takes tile `tile_of(i)`: the tiles every row sees whole first, then the
+        # window's leading edge [tile_lo, full_lo) and the diagonal / kv_len end.
+        num_full = full_hi - full_lo
+        num_lead = full_lo - tile_lo
+        num_steps = num_full + num_lead + (tile_hi - full_hi)
+
+        def tile_of(i):
+            edge = i - num_full
+            return jnp.where(
+                edge < 0,
+                full_lo + i,
+                jnp.where(edge < num_lead, tile_lo + edge, full_hi + edge - num_lead),
+            )
+
+        def meet():
+            plgpu.barrier_arrive(rendezvous)
+            plgpu.barrier_wait(rendezvous)
+
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _copy_pages():
+            plgpu.set_max_registers(40, action="decrease")
+            num_pages = k_ref.shape[0]
+            # Table entries past the last page are garbage: reload the last page instead (an
+            # L2 hit); its rows are masked like every row past kv_len.
+            last_page = (jnp.maximum(kv_len, 1) - 1) // page_size
+
+            @pl.loop(0, num_steps)
+            def _step(i):
+                slot = lax.rem(i, stages)
+                first_page = tile_of(i) * pages_per_step
+                pages = [
+                    jnp.clip(
+                        table_ref[seq, jnp.minimum(first_page + j, last_page)], 0, num_pages - 1
+                    )
+                    for j in range(pages_per_step)
+                ]
+                for src, dst, ready, free in (
+                    (k_ref, k_smem, k_ready, k_free),
+                    (v_ref, v_smem, v_ready, v_free),
+                ):
+
+                    @pl.when(i >= stages)
+                    def _wait_free(free=free):
+                        plgpu.barrier_wait(free.at[slot])
+
+                    for j, page in enumerate(pages):
+                        plgpu.copy_gmem_to_smem(
+                            src.at[page, :, kv_head, :],
+                            dst.at[slot, pl.ds(j * page_size, page_size)],
+                            ready.at[slot],
+                        )
+
+        # The block's rows are tokens [row0_token, row0_token + 128), of which
+        # [first_token, first_token + num_tokens) are the sequence's: a first block starts
+        # up to 7 rows early (see `plan_blocks(align=...)`).
+        shift = lax.rem(first_token, _ALIGN)
+        row0_token = first_token - shift
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            row0 = wg * _ROWS  # this warpgroup's first row in the block
+            q_tile = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[pl.ds(pl.multiple_of(row0_token + row0, _ALIGN), _ROWS), head],
+                q_tile,
+                q_ready.at[wg],
+            )
+            head_dim = q_tile.shape[-1]
+            layout = plgpu.Layout.WGMMA
+            acc = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), layout)
+            m = plgpu.layout_cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), layout.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), layout.reduce(1))
+            plgpu.barrier_wait(q_ready.at[wg])
+            q_pos = (
+                first_pos
+                + row0
+                + plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 0, layout=layout)
+            )
+            # Warpgroup 1 starts half a step behind warpgroup 0.
+            pl.when(wg == 1)(meet)
+
+            def step(i, carry, *, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(i, stages)
+                start = tile_of(i) * block_kv
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                    meet()
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((_ROWS, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                logits2 = logits_base2(s, sm_scale, logits_soft_cap)
+                if masked:
+                    key = start + plgpu.broadcasted_iota(
+                        jnp.int32, (_ROWS, block_kv), 1, layout=layout
+                    )
+                    ok = visible(q_pos, key, kv_len, causal=causal, sliding_window=sliding_window)
+                    # NaN logits of keys past kv_len are replaced here, never used.
+                    logits2 = jnp.where(ok, logits2, -jnp.inf)
+                m, l, alpha, p = online_softmax_step(m, l, logits2)
+                acc = acc * alpha[:, None]
+                p = p.astype(v_smem.dtype)
+                plgpu.barrier_arrive(rendezvous)  # softmax done: the other may multiply
+                plgpu.barrier_wait(v_ready.at[slot])
+                if masked:
+
+                    @pl.when(start + block_kv > kv_len)
+                    def _zero_tail_v():
+                        # Both warpgroups may do this at once: they write the same values.
+                        v_tile = v_smem.at[slot]
+                        key_of_row = start + plgpu.broadcasted_iota(
+                            jnp.int32, v_tile.shape, 0, layout=layout
+                        )
+                        v_tile[...] = jnp.where(key_of_row < kv_len, v_tile[...], 0)
+                        plgpu.commit_smem()
+
+                plgpu.barrier_wait(rendezvous)  # the tensor cores are ours
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m, l
+
+            carry = (acc, m, l)
+            carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(num_full, num_steps, functools.partial(step, masked=True), carry)
+            pl.when(wg == 0)(meet)
+            out, lse = finalize(*carry)
+            o_tile, lse_tile = o_smem.at[wg], lse_smem.at[wg]
+            o_tile[...] = out.astype(o_tile.dtype)
+            lse_tile[...] = lse
+            plgpu.commit_smem()
+            _store_rows(
+                o_tile,
+                lse_tile,
+                out_ref,
+                lse_ref,
+                head,
+                row0_token + row0,
+                jnp.clip(shift - row0, 0, _ROWS),
+                jnp.clip(shift + num_tokens - row0, 0, _ROWS),
+            )
+
+    return body
+
+
+def _store_rows(o_tile, lse_tile, out_ref, lse_ref, head, token, lo, hi):
+    """Write rows `[lo, hi)` of a warpgroup's output to tokens `token + lo ...` of `head`: TMA
+    boxes of 64, 32, ..., 1 rows, one per set bit of the row count, so that no row outside the
+    block's sequence is touched. LSE: one TMA row for a whole tile, plain stores otherwise
+    (only a sequence's first and last blocks are partial)."""
+    count = jnp.maximum(hi - lo, 0)
+    bit = _ROWS
+    while bit:
+        row = lo + (count & -(2 * bit))  # the rows of the larger boxes come first
+
+        @pl.when(count & bit != 0)
+        def _box(bit=bit, row=row):
+            plgpu.copy_smem_to_gmem(
+                o_tile.at[pl.ds(row, bit)], out_ref.at[pl.ds(token + row, bit), head]
+            )
+
+        bit //= 2
+
+    @pl.when(count == _ROWS)
+    def _whole_lse():
+        plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[head, pl.ds(token, _ROWS)])
+
+    @pl.when(count < _ROWS)
+    def _partial_lse():
+        @pl.loop(lo, hi)
+        def _row(r):
+            lse_ref[head, token + r] = lse_tile[r]
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _check(q, page_size, config, interpret) -> None:
+    head_dim = q.shape[-1]
+    if interpret:
+        raise NotImplementedError(
+            "the Mosaic GPU prefill kernel has no interpret mode: Mosaic GPU's interpreter "
+            "cannot run wgmma (jax 0.11.2); use implementation='triton' or 'xla' off-GPU"
+        )
+    if jnp.dtype(q.dtype) not in _DTYPES:
+        raise TypeError(
+            f"implementation='mosaic' needs bfloat16 or float16 q, k_pages and v_pages "
+            f"(wgmma operands are 16-bit here); got q.dtype={q.dtype}"
+        )
+    if head_dim % 64 or head_dim > 256:
+        raise ValueError(
+            f"implementation='mosaic' needs a head dim D that is a multiple of 64 up to 256 "
+            f"(128-byte swizzled tiles, wgmma N <= 256); got D={head_dim}"
+        )
+    if page_size % 8 or config.block_kv % page_size:
+        raise ValueError(
+            f"implementation='mosaic' needs a page_size that is a multiple of 8 and divides "
+            f"config.block_kv={config.block_kv}; got page_size={page_size}"
+        )
+    itemsize = jnp.dtype(q.dtype).itemsize
+    smem = (2 * config.num_stages * config.block_kv + _TOKENS) * head_dim * itemsize
+    if smem > _SMEM_LIMIT:
+        raise ValueError(
+            f"config {config} needs {smem} bytes of shared memory at D={head_dim}, over "
+            f"{_SMEM_LIMIT}; lower num_stages or block_kv"
+        )
