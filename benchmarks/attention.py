@@ -258,6 +258,8 @@ def run_prefill(
         inputs = prefill.make_inputs(batch)
         args = inputs.args()
         timed = [("triton", "default", prefill.triton_fn(None, interpret), args)]
+        if not interpret:
+            timed.append(("mosaic", "default", prefill.mosaic_fn(), args))
         if not shape.get("chunk"):  # cuDNN's and FA3's causal masks are top-left
             k, v = prefill.dense_kv(inputs)
             q = inputs.q.reshape(shape["num_seqs"], -1, *inputs.q.shape[1:])
@@ -294,18 +296,20 @@ def run_mixed(configs, *, interpret: bool, budget_s: float, iterations: int, smo
             _skip(runner.records, mixed.name, **shape)
             continue
         print(f"== {tag}: {mixed.flops / 1e12:.3f} TFLOP in {len(mixed.seqs)} seqs", flush=True)
-        ms, best_decode = {}, "triton"
+        # Every part by each ragged kernel; `best` names the fastest per part.
+        ms, best = {}, {}
+        ragged = [("triton", prefill.triton_fn(None, interpret))]
+        if not interpret:
+            ragged.append(("mosaic", prefill.mosaic_fn()))
         for batch in (mixed, chunks, decodes):
-            record = runner.time(
-                batch,
-                "triton",
-                "default",
-                prefill.triton_fn(None, interpret),
-                *prefill.make_inputs(batch).args(),
-                part=batch.name.removeprefix(tag).lstrip(":") or "mixed",
-                **shape,
-            )
-            ms[batch.name] = record.get("ms")
+            args = prefill.make_inputs(batch).args()
+            part = batch.name.removeprefix(tag).lstrip(":") or "mixed"
+            for impl, fn in ragged:
+                record = runner.time(batch, impl, "default", fn, *args, part=part, **shape)
+                if record.get("ms") and (
+                    ms.get(batch.name) is None or record["ms"] < ms[batch.name]
+                ):
+                    ms[batch.name], best[batch.name] = record["ms"], impl
         d = prefill.make_inputs(decodes)
         decode_args = (d.q, d.k, d.v, d.kv_lens, d.table)
         decode_kernels = [
@@ -314,25 +318,28 @@ def run_mixed(configs, *, interpret: bool, budget_s: float, iterations: int, smo
         ]
         for impl, fn, fn_args in decode_kernels:
             record = runner.time(decodes, impl, "default", fn, *fn_args, part="decodes", **shape)
-            if record.get("ms") and (ms[decodes.name] is None or record["ms"] < ms[decodes.name]):
-                ms[decodes.name], best_decode = record["ms"], impl
+            if record.get("ms") and (
+                ms.get(decodes.name) is None or record["ms"] < ms[decodes.name]
+            ):
+                ms[decodes.name], best[decodes.name] = record["ms"], impl
         if i == 0:
             inputs = prefill.make_inputs(mixed)
             runner.time(mixed, "xla", "reference", xla_ragged_fn, *inputs.args(), **shape)
-        if ms[chunks.name] and ms[decodes.name]:
+        if ms.get(chunks.name) and ms.get(decodes.name):
             parts = ms[chunks.name] + ms[decodes.name]
             runner.records.append(
                 dict(
                     case=mixed.name,
                     impl="parts",
-                    variant=f"chunks by triton + decodes by {best_decode}",
+                    variant=f"chunks by {best[chunks.name]} + decodes by {best[decodes.name]}",
                     ms=parts,
                     tflops=mixed.flops / parts / 1e9,
                     **shape,
                 )
             )
-            if ms[mixed.name]:
+            if ms.get(mixed.name):
                 runner.records[-1]["mixed_over_parts"] = ms[mixed.name] / parts
+                runner.records[-1]["mixed_by"] = best[mixed.name]
     add_ratios(runner.records, ("parts", "xla"))
     return runner.records
 

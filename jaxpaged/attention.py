@@ -70,15 +70,17 @@ def _load(op: str, name: str) -> Callable[..., Any] | None:
     return getattr(mod, fn)
 
 
-def _preferred(op: str, name: str, dtype) -> bool:
-    """Whether `implementation=None` may pick backend `name` for inputs of `dtype`: it loads,
-    and its module's optional `is_preferred(dtype)` (e.g. "an sm90 GPU and bf16/f16") agrees."""
+def _preferred(op: str, name: str, dtype, shape: dict) -> bool:
+    """Whether `implementation=None` may pick backend `name` for inputs of `dtype` and `shape`
+    (`head_dim`, `page_size`, where known): it loads, and its module's optional
+    `is_preferred(dtype, **shape)` (e.g. "an sm90 GPU, bf16/f16 and a page size it takes")
+    agrees."""
     if _BACKENDS[op][name] is None:
         return True
     if _load(op, name) is None:
         return False
     preferred = getattr(importlib.import_module(_BACKENDS[op][name][0]), "is_preferred", None)
-    return preferred is None or bool(preferred(jnp.dtype(dtype)))
+    return preferred is None or bool(preferred(jnp.dtype(dtype), **shape))
 
 
 def available_implementations(op: str = "ragged") -> tuple[str, ...]:
@@ -99,14 +101,23 @@ def _module_exists(module: str) -> bool:
         return False
 
 
-def resolve_implementation(op: str, implementation: str | None = None, dtype=jnp.bfloat16) -> str:
+def resolve_implementation(
+    op: str,
+    implementation: str | None = None,
+    dtype=jnp.bfloat16,
+    *,
+    head_dim: int | None = None,
+    page_size: int | None = None,
+) -> str:
     """The backend that `implementation` means for `op` ("ragged" or "decode") and inputs of
-    `dtype` on the default device: `None` resolves to the best available one; an explicit name
-    is returned as is, or raises `ValueError` listing what is available."""
+    `dtype` (and `head_dim`, `page_size` when given) on the default device: `None` resolves to
+    the best available one that takes such inputs; an explicit name is returned as is, or
+    raises `ValueError` listing what is available."""
     available = available_implementations(op)
     if implementation is None:
+        shape = {k: v for k, v in dict(head_dim=head_dim, page_size=page_size).items() if v}
         for name in _PREFERENCE[op].get(_platform(), ("xla",)):
-            if name in available and _preferred(op, name, dtype):
+            if name in available and _preferred(op, name, dtype, shape):
                 return name
         return "xla"
     if implementation not in available:
@@ -264,7 +275,9 @@ def ragged_paged_attention(
         )
     num_seqs = _as_num_seqs(num_seqs)
     _check_options(sm_scale, sliding_window, logits_soft_cap)
-    name = resolve_implementation("ragged", implementation, q.dtype)
+    name = resolve_implementation(
+        "ragged", implementation, q.dtype, head_dim=q.shape[-1], page_size=k_pages.shape[1]
+    )
     out, lse = _ragged_jit(
         q,
         k_pages,
@@ -323,7 +336,9 @@ def paged_decode_attention(
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or an int >= 1; got {num_splits!r}")
     _check_options(sm_scale, sliding_window, logits_soft_cap)
-    name = resolve_implementation("decode", implementation, q.dtype)
+    name = resolve_implementation(
+        "decode", implementation, q.dtype, head_dim=q.shape[-1], page_size=k_pages.shape[1]
+    )
     out, lse = _decode_jit(
         q,
         k_pages,

@@ -148,9 +148,14 @@ MIXED = [(1, 37), (5, 21), (16, 16), (0, 9), (0, 0), (7, 40), (3, 17), (130, 300
 MIXED += [(200, 200), (9, 1000), (129, 129), (61, 190)]
 
 
+# Every shape in bf16; float16 (the same code with another element type) at D=128.
+GPU_SHAPES = [pytest.param(s, jnp.bfloat16, id=_shape_id(s) + "-bf16") for s in SHAPES] + [
+    pytest.param(s, jnp.float16, id=_shape_id(s) + "-f16") for s in SHAPES if s[0] == 128
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("shape,dtype", GPU_SHAPES)
 def test_gpu_shapes(shape, dtype):
     head_dim, (num_q_heads, num_kv_heads), page_size = shape
     rng = np.random.default_rng(head_dim + page_size + num_q_heads)
@@ -242,3 +247,27 @@ def test_gpu_long_causal_prefill(page_size):
         pad_seqs=0,
     )
     _check_against_reference(batch, jnp.bfloat16, implementation="mosaic")
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,page_size",
+    [
+        (jnp.float32, 128, 16),
+        (jnp.bfloat16, 96, 16),
+        (jnp.bfloat16, 128, 12),
+        (jnp.float16, 64, 256),
+    ],
+)
+def test_not_preferred_for_inputs_it_does_not_take(dtype, head_dim, page_size):
+    """`implementation=None` falls back to the Triton kernel for these, on any device."""
+    assert not mosaic.is_preferred(jnp.dtype(dtype), head_dim=head_dim, page_size=page_size)
+    assert jaxpaged.resolve_implementation(
+        "ragged", None, dtype, head_dim=head_dim, page_size=page_size
+    ) in ("triton", "xla")
+
+
+def test_preferred_only_on_hopper():
+    on_hopper = jax.devices()[0].platform == "gpu" and jax.devices()[0].compute_capability == "9.0"
+    assert mosaic.is_preferred(jnp.dtype(jnp.bfloat16), head_dim=128, page_size=16) == on_hopper
+    expected = "mosaic" if on_hopper else "xla"
+    assert jaxpaged.resolve_implementation("ragged", None, jnp.bfloat16, head_dim=128) == expected

@@ -119,10 +119,18 @@ def choose_num_splits(
     return max(1, min(num_sms // programs, by_length))
 
 
-def is_preferred(dtype: jnp.dtype) -> bool:
-    """Whether `implementation=None` may pick this kernel for inputs of `dtype`: bf16/f16 on
-    sm_90 devices only, and only once benchmarks show it ahead of the Triton decode kernel."""
-    if not _PREFERRED_ON_SM90 or dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> bool:
+    """Whether `implementation=None` may pick this kernel for such inputs: bf16/f16 and shapes
+    it takes on sm_90 devices only, and only once benchmarks show it ahead of the Triton decode
+    kernel."""
+    if not _PREFERRED_ON_SM90 or jnp.dtype(dtype) not in _DTYPES:
+        return False
+    if (
+        head_dim % 64
+        or head_dim > 256
+        or page_size % 8
+        or default_config(head_dim).block_kv % page_size
+    ):
         return False
     device = jax.devices()[0]
     return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"

@@ -55,8 +55,9 @@ _ALIGN = 8
 _SWIZZLE = 128  # bytes
 _SMEM_LIMIT = 227 * 1024
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Flipped once H200 benchmarks show this kernel ahead of the Triton prefill kernel.
-_PREFERRED_ON_SM90 = False
+# The H200 run of 2026-11-30 (benchmarks/NOTES.md): 0.99x cuDNN paged on B=1 T=8192, where the
+# Triton kernel reaches 0.54x.
+_PREFERRED_ON_SM90 = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +90,18 @@ def default_config(head_dim: int) -> MosaicPrefillConfig:
     return MosaicPrefillConfig(block_kv=128 if head_dim <= 128 else 64)
 
 
-def is_preferred(dtype: jnp.dtype) -> bool:
-    """Whether `implementation=None` may pick this kernel: bf16/f16 on sm_90, once benchmarks
-    show it ahead of the Triton prefill kernel."""
+def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> bool:
+    """Whether `implementation=None` may pick this kernel for such inputs: bf16/f16 and shapes
+    it takes (D a multiple of 64 up to 256, a page size that is a multiple of 8 dividing the
+    default step) on sm_90; elsewhere the Triton kernel serves."""
     if not _PREFERRED_ON_SM90 or jnp.dtype(dtype) not in _DTYPES:
+        return False
+    if (
+        head_dim % 64
+        or head_dim > 256
+        or page_size % 8
+        or default_config(head_dim).block_kv % page_size
+    ):
         return False
     device = jax.devices()[0]
     return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
@@ -385,6 +394,7 @@ def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_sof
             plgpu.barrier_wait(q_ready.at[wg])
             q_pos = (
                 first_pos
+                - shift
                 + row0
                 + plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 0, layout=layout)
             )
