@@ -132,6 +132,9 @@ class Stats:
     decode_time: float = 0.0
     steps: int = 0
     failed_steps: int = 0
+    # Host time inside the jitted call (argument handling and launch; the GPU runs on after
+    # it returns), summed over all steps: what overlapping steps could hide at most.
+    dispatch_time: float = 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -196,6 +199,7 @@ class Engine:
                 all_logits=record_prompt_logits and not plan.decode,
                 implementation=self.implementation,
             )
+        self.stats.dispatch_time += time.perf_counter() - start
         tokens, logprobs, ok = jax.device_get((out.tokens, out.logprobs, out.ok))
         elapsed = time.perf_counter() - start
         self.stats.steps += 1
