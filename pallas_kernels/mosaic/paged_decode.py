@@ -89,7 +89,7 @@ class MosaicDecodeConfig:
 def default_config(head_dim: int) -> MosaicDecodeConfig:
     """The config used when `config=None`: steps of 128 tokens (64 at D=256) and as many
     stages as 128 KiB of K/V hold (4 at D=64, 2 at D=128 and 256): the best of the H200 run
-    of 2026-12 at D=128."""
+    of 2026-11-29 at D=128."""
     block_kv = 128 if head_dim <= 128 else 64
     stage_bytes = 2 * block_kv * head_dim * 2
     return MosaicDecodeConfig(block_kv=block_kv, num_stages=_DEFAULT_STAGE_BYTES // stage_bytes)
