@@ -2,4 +2,7 @@
 
 `paged_decode`: split-KV paged decode attention (`jaxpaged.paged_decode_attention`,
 `implementation="mosaic"`).
+`ragged_prefill`: ragged paged prefill (`jaxpaged.ragged_paged_attention`,
+`implementation="mosaic"`), FlashAttention-3's schedule on pages.
+`common`: the inputs both take and their checks.
 """

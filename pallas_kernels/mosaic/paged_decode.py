@@ -45,18 +45,17 @@ from pallas_kernels.common import (
     poisoned,
     visible,
 )
+from pallas_kernels.mosaic.common import DTYPES, check_inputs, check_smem, on_sm90, takes
 
 _TILE_M = 64  # `wgmma` M: the rows of the score tile.
 _SWIZZLE = 128  # bytes; every supported D is a multiple of the 64 16-bit elements this spans.
 _SWIZZLE_ELEMS = _SWIZZLE // 2
-_SMEM_LIMIT = 227 * 1024
 # Shared memory the default configs give the K/V stages: enough bytes in flight per SM for HBM
 # latency at 1/132 of the H200's bandwidth, and one program per SM.
 _DEFAULT_STAGE_BYTES = 128 * 1024
 # A split does at least this many pipeline steps (when the sequence has them): shorter splits
 # spend more time filling and draining the copy pipeline than streaming.
 _MIN_STEPS_PER_SPLIT = 4
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Flipped by the lead once H200 benchmarks show this kernel beats the Triton decode kernel.
 _PREFERRED_ON_SM90 = False
 
@@ -123,17 +122,12 @@ def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> 
     """Whether `implementation=None` may pick this kernel for such inputs: bf16/f16 and shapes
     it takes on sm_90 devices only, and only once benchmarks show it ahead of the Triton decode
     kernel."""
-    if not _PREFERRED_ON_SM90 or jnp.dtype(dtype) not in _DTYPES:
-        return False
-    if (
-        head_dim % 64
-        or head_dim > 256
-        or page_size % 8
-        or default_config(head_dim).block_kv % page_size
-    ):
-        return False
-    device = jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+    return (
+        _PREFERRED_ON_SM90
+        and jnp.dtype(dtype) in DTYPES
+        and takes(head_dim, page_size, default_config(head_dim).block_kv)
+        and on_sm90()
+    )
 
 
 def paged_decode_attention(
@@ -450,26 +444,7 @@ def _q_rows(group: int) -> int:
 
 
 def _check(q, page_size, head_dim, group, config, interpret) -> None:
-    if interpret:
-        raise NotImplementedError(
-            "the Mosaic GPU decode kernel has no interpret mode: Mosaic GPU's interpreter "
-            "cannot run wgmma in jax 0.11.2; use implementation='triton' or 'xla' off-GPU"
-        )
-    if jnp.dtype(q.dtype) not in _DTYPES:
-        raise TypeError(
-            f"implementation='mosaic' needs bfloat16 or float16 q, k_pages and v_pages "
-            f"(wgmma operands are 16-bit here); got q.dtype={q.dtype}"
-        )
-    if head_dim % 64 or head_dim > 256:
-        raise ValueError(
-            f"implementation='mosaic' needs a head dim D that is a multiple of 64 up to 256 "
-            f"(128-byte swizzled tiles, wgmma N <= 256); got D={head_dim}"
-        )
-    if page_size % 8 or config.block_kv % page_size:
-        raise ValueError(
-            f"implementation='mosaic' needs a page_size that is a multiple of 8 and divides "
-            f"config.block_kv={config.block_kv}; got page_size={page_size}"
-        )
+    check_inputs("decode", q.dtype, head_dim, page_size, config, interpret)
     if _q_rows(group) > _TILE_M:
         raise ValueError(
             f"implementation='mosaic' needs the query heads of one KV head to fit one 64-row "
@@ -478,8 +453,4 @@ def _check(q, page_size, head_dim, group, config, interpret) -> None:
         )
     itemsize = jnp.dtype(q.dtype).itemsize
     smem = (2 * config.num_stages * config.block_kv + _TILE_M) * head_dim * itemsize
-    if smem > _SMEM_LIMIT:
-        raise ValueError(
-            f"config {config} needs {smem} bytes of shared memory at D={head_dim}, over "
-            f"{_SMEM_LIMIT}; lower num_stages or block_kv"
-        )
+    check_smem(config, smem, head_dim)

@@ -44,6 +44,7 @@ from pallas_kernels.common import (
     sanitize_metadata,
     visible,
 )
+from pallas_kernels.mosaic.common import DTYPES, check_inputs, check_smem, on_sm90, takes
 from pallas_kernels.triton import ragged_prefill as triton_prefill
 
 _ROWS = 64  # rows per compute warpgroup: the `wgmma` M
@@ -53,8 +54,6 @@ _TOKENS = _ROWS * _COMPUTE_WGS  # rows per block
 # 8 tokens, so blocks start there (`plan_blocks(align=8)`).
 _ALIGN = 8
 _SWIZZLE = 128  # bytes
-_SMEM_LIMIT = 227 * 1024
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # The H200 run of 2026-11-30 (benchmarks/NOTES.md): 0.99x cuDNN paged on B=1 T=8192, where the
 # Triton kernel reaches 0.54x.
 _PREFERRED_ON_SM90 = True
@@ -94,17 +93,12 @@ def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> 
     """Whether `implementation=None` may pick this kernel for such inputs: bf16/f16 and shapes
     it takes (D a multiple of 64 up to 256, a page size that is a multiple of 8 dividing the
     default step) on sm_90; elsewhere the Triton kernel serves."""
-    if not _PREFERRED_ON_SM90 or jnp.dtype(dtype) not in _DTYPES:
-        return False
-    if (
-        head_dim % 64
-        or head_dim > 256
-        or page_size % 8
-        or default_config(head_dim).block_kv % page_size
-    ):
-        return False
-    device = jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+    return (
+        _PREFERRED_ON_SM90
+        and jnp.dtype(dtype) in DTYPES
+        and takes(head_dim, page_size, default_config(head_dim).block_kv)
+        and on_sm90()
+    )
 
 
 def ragged_paged_attention(
@@ -504,30 +498,7 @@ def _store_rows(o_tile, lse_tile, out_ref, lse_ref, head, token, lo, hi):
 
 def _check(q, page_size, config, interpret) -> None:
     head_dim = q.shape[-1]
-    if interpret:
-        raise NotImplementedError(
-            "the Mosaic GPU prefill kernel has no interpret mode: Mosaic GPU's interpreter "
-            "cannot run wgmma (jax 0.11.2); use implementation='triton' or 'xla' off-GPU"
-        )
-    if jnp.dtype(q.dtype) not in _DTYPES:
-        raise TypeError(
-            f"implementation='mosaic' needs bfloat16 or float16 q, k_pages and v_pages "
-            f"(wgmma operands are 16-bit here); got q.dtype={q.dtype}"
-        )
-    if head_dim % 64 or head_dim > 256:
-        raise ValueError(
-            f"implementation='mosaic' needs a head dim D that is a multiple of 64 up to 256 "
-            f"(128-byte swizzled tiles, wgmma N <= 256); got D={head_dim}"
-        )
-    if page_size % 8 or config.block_kv % page_size:
-        raise ValueError(
-            f"implementation='mosaic' needs a page_size that is a multiple of 8 and divides "
-            f"config.block_kv={config.block_kv}; got page_size={page_size}"
-        )
+    check_inputs("prefill", q.dtype, head_dim, page_size, config, interpret)
     itemsize = jnp.dtype(q.dtype).itemsize
     smem = (2 * config.num_stages * config.block_kv + _TOKENS) * head_dim * itemsize
-    if smem > _SMEM_LIMIT:
-        raise ValueError(
-            f"config {config} needs {smem} bytes of shared memory at D={head_dim}, over "
-            f"{_SMEM_LIMIT}; lower num_stages or block_kv"
-        )
+    check_smem(config, smem, head_dim)

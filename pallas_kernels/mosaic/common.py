@@ -1,0 +1,55 @@
+"""What the Mosaic GPU kernels share: the inputs they take, their checks, and when
+`implementation=None` may pick one."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one program may hold on sm_90
+
+
+def takes(head_dim: int, page_size: int, block_kv: int) -> bool:
+    """Shapes the kernels take: D a multiple of 64 up to 256 (128-byte swizzled tiles, wgmma
+    N <= 256) and pages of a multiple of 8 rows that divide a pipeline step (`block_kv`)."""
+    return (
+        head_dim % 64 == 0 and head_dim <= 256 and page_size % 8 == 0 and block_kv % page_size == 0
+    )
+
+
+def on_sm90() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+
+
+def check_inputs(name: str, dtype, head_dim: int, page_size: int, config, interpret: bool):
+    """The checks every Mosaic kernel makes before tracing; `name` says which kernel."""
+    if interpret:
+        raise NotImplementedError(
+            f"the Mosaic GPU {name} kernel has no interpret mode: Mosaic GPU's interpreter "
+            "cannot run wgmma in jax 0.11.2; use implementation='triton' or 'xla' off-GPU"
+        )
+    if jnp.dtype(dtype) not in DTYPES:
+        raise TypeError(
+            f"implementation='mosaic' needs bfloat16 or float16 q, k_pages and v_pages "
+            f"(wgmma operands are 16-bit here); got q.dtype={dtype}"
+        )
+    if head_dim % 64 or head_dim > 256:
+        raise ValueError(
+            f"implementation='mosaic' needs a head dim D that is a multiple of 64 up to 256 "
+            f"(128-byte swizzled tiles, wgmma N <= 256); got D={head_dim}"
+        )
+    if not takes(head_dim, page_size, config.block_kv):
+        raise ValueError(
+            f"implementation='mosaic' needs a page_size that is a multiple of 8 and divides "
+            f"config.block_kv={config.block_kv}; got page_size={page_size}"
+        )
+
+
+def check_smem(config, smem: int, head_dim: int) -> None:
+    if smem > SMEM_LIMIT:
+        raise ValueError(
+            f"config {config} needs {smem} bytes of shared memory at D={head_dim}, over "
+            f"{SMEM_LIMIT}; lower num_stages or block_kv"
+        )
