@@ -18,13 +18,10 @@ import pytest
 
 import jaxpaged
 from benchmarks.prefill import CONFIGS, SHORT_CONFIGS
+from pallas_kernels.block_plan import plan_blocks, plan_short_sequences
 from pallas_kernels.common import poison_outputs, sanitize_metadata
 from pallas_kernels.triton import ragged_prefill
-from pallas_kernels.triton.ragged_prefill import (
-    PrefillConfig,
-    plan_blocks,
-    plan_short_sequences,
-)
+from pallas_kernels.triton.ragged_prefill import PrefillConfig
 from tests.helpers import (
     LSE_TOL,
     OUT_TOL,

@@ -1,9 +1,9 @@
 """Ragged paged prefill for Hopper (sm_90), lowered through Mosaic GPU.
 
 The work is split as in the Triton prefill kernel (`pallas_kernels.triton.ragged_prefill`):
-an XLA plan (`plan_blocks`) cuts every sequence into blocks of 128 consecutive tokens and lists
-the key tiles each block needs; the grid is (query head, block), so nothing recompiles when
-the batch content changes. One program, three warpgroups:
+an XLA plan (`pallas_kernels.block_plan`) cuts every sequence into blocks of 128 consecutive
+tokens and lists the key tiles each block needs; the grid is (query head, block), so nothing
+recompiles when the batch content changes. One program, three warpgroups:
 
 * the copy warpgroup brings K and V in by TMA, one copy per page (a `[page_size, D]` box of
   the strided view `k_pages[page, :, kv_head, :]`), `block_kv // page_size` pages per step,
@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import block_plan
 from pallas_kernels.common import (
     finalize,
     logits_base2,
@@ -184,7 +185,7 @@ def _ragged_paged_attention(
     options = dict(causal=causal, sliding_window=sliding_window)
     short_config = triton_prefill.PrefillConfig.default(head_dim, q.dtype)
     short_tokens = triton_prefill.short_tokens_of(short_config, group) * config.short_sequences
-    plan = triton_prefill.plan_blocks(
+    plan = block_plan.plan_blocks(
         meta.cu_q_lens,
         meta.kv_lens,
         num_tokens=num_tokens,
@@ -277,7 +278,6 @@ def _scratch(dtype, head_dim: int, page_size: int, config: MosaicPrefillConfig):
 def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_soft_cap, config):
     block_kv, stages = config.block_kv, config.num_stages
     pages_per_step = block_kv // page_size
-    P = triton_prefill  # the plan's row names
 
     def body(
         plan_ref,
@@ -301,15 +301,15 @@ def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_sof
         head = lax.axis_index("head")
         block = lax.axis_index("block")
         kv_head = lax.div(head, group)
-        seq = plan_ref[P._SEQ, block]
-        first_token = plan_ref[P._FIRST_TOKEN, block]
-        num_tokens = plan_ref[P._NUM_TOKENS, block]
-        first_pos = plan_ref[P._FIRST_POS, block]
-        kv_len = plan_ref[P._KV_LEN, block]
-        tile_lo = plan_ref[P._TILE_LO, block]
-        full_lo = plan_ref[P._FULL_LO, block]
-        full_hi = plan_ref[P._FULL_HI, block]
-        tile_hi = plan_ref[P._TILE_HI, block]
+        seq = plan_ref[block_plan.SEQ, block]
+        first_token = plan_ref[block_plan.FIRST_TOKEN, block]
+        num_tokens = plan_ref[block_plan.NUM_TOKENS, block]
+        first_pos = plan_ref[block_plan.FIRST_POS, block]
+        kv_len = plan_ref[block_plan.KV_LEN, block]
+        tile_lo = plan_ref[block_plan.TILE_LO, block]
+        full_lo = plan_ref[block_plan.FULL_LO, block]
+        full_hi = plan_ref[block_plan.FULL_HI, block]
+        tile_hi = plan_ref[block_plan.TILE_HI, block]
         # Step i takes tile `tile_of(i)`: the tiles every row sees whole first, then the
         # window's leading edge [tile_lo, full_lo) and the diagonal / kv_len end.
         num_full = full_hi - full_lo
