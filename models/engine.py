@@ -62,11 +62,7 @@ def sample(logits: jax.Array, temperatures: jax.Array, seeds: jax.Array, positio
     return tokens, logprobs
 
 
-_STATIC = ("decode", "all_logits", "implementation")
-_DONATED = ("kv_pages", "pool")
-
-
-def _model_step(
+def model_step(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     kv_pages: KVPages,
@@ -77,7 +73,8 @@ def _model_step(
     all_logits: bool,
     implementation: str | None,
 ) -> tuple[KVPages, jaxpaged.PagePool, StepOutputs]:
-    """One step of the decoder; `kv_pages` and `pool` are donated and come back updated."""
+    """One step of the decoder, traced by `step_function(graphdef)`, which jits it with
+    `kv_pages` and `pool` donated: they come back updated in place."""
     num_tokens = inputs.tokens.shape[0]
     num_seq_slots = inputs.seq_ids.shape[0]
     live = jnp.arange(num_seq_slots) < inputs.num_seqs
@@ -107,17 +104,17 @@ def _model_step(
     return kv_pages, pool, StepOutputs(tokens, logprobs, ok, logits)
 
 
-model_step = jax.jit(_model_step, static_argnames=("graphdef", *_STATIC), donate_argnames=_DONATED)
-
-
 @functools.cache
 def step_function(graphdef: nnx.GraphDef):
-    """`model_step` with `graphdef` bound, jitted once per model structure. Dispatch hashes and
-    compares a jitted function's static arguments on every call, and the GraphDef of the 1B
-    decoder takes milliseconds to hash: as a static argument it would cost more host time per
-    decode step than the GPU spends on the step."""
+    """`model_step` with `graphdef` bound, jitted once per model structure (the engine's step;
+    `decode`, `all_logits` and `implementation` are static). Dispatch hashes and compares a
+    jitted function's static arguments on every call, and the GraphDef of the 1B decoder takes
+    milliseconds to hash: as a static argument it made a B=1 decode step of the 1B model take
+    5.4 ms on the H200 instead of 3.6 (benchmarks/NOTES.md)."""
     return jax.jit(
-        functools.partial(_model_step, graphdef), static_argnames=_STATIC, donate_argnames=_DONATED
+        functools.partial(model_step, graphdef),
+        static_argnames=("decode", "all_logits", "implementation"),
+        donate_argnames=("kv_pages", "pool"),
     )
 
 

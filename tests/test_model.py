@@ -27,7 +27,7 @@ import jaxpaged
 from models import generate
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
-from models.engine import Engine, model_step
+from models.engine import Engine, step_function
 from models.induction import BOS, induction_decoder, induction_prompt
 from models.scheduler import Chunk, Plan, SamplingParams, Sequence
 
@@ -362,8 +362,7 @@ def test_failed_reservation_writes_nothing():
     newcomer = Sequence(99, _prompt(40, 1), 40, SamplingParams(4), slot=1)
     plan = Plan([Chunk(seq, seq.num_cached, 1), Chunk(newcomer, 0, 40)])
     before = jax.device_get((engine.kv_pages, engine.pool))
-    kv_pages, pool, out = model_step(
-        engine.graphdef,
+    kv_pages, pool, out = step_function(engine.graphdef)(
         engine.params,
         engine.kv_pages,
         engine.pool,
@@ -424,10 +423,11 @@ def test_step_updates_pages_and_pool_in_place(backend, decode):
         engine.step()
         plan = engine.scheduler.schedule()
     assert plan.decode == decode and plan.chunks[0].seq is seq
-    args = (engine.graphdef, engine.params, engine.kv_pages, engine.pool, engine._inputs(plan))
+    step = step_function(engine.graphdef)
+    args = (engine.params, engine.kv_pages, engine.pool, engine._inputs(plan))
     options = dict(decode=decode, all_logits=False, implementation=backend)
     with jaxpaged.quiet_triton_deprecation():
-        compiled = model_step.lower(*args, **options).compile()
+        compiled = step.lower(*args, **options).compile()
     state = jax.tree.leaves((engine.kv_pages, engine.pool))
     assert compiled.memory_analysis().alias_size_in_bytes >= sum(x.nbytes for x in state)
     hlo = compiled.as_text()
@@ -438,7 +438,7 @@ def test_step_updates_pages_and_pool_in_place(backend, decode):
     assert not re.search(re.escape(page_shape) + r"\{[\d,]+\} copy\(", hlo), "a page copy"
     old = engine.kv_pages[0][0]
     with jaxpaged.quiet_triton_deprecation():
-        engine.kv_pages, engine.pool, _ = model_step(*args, **options)
+        engine.kv_pages, engine.pool, _ = step(*args, **options)
     assert old.is_deleted()
 
 
