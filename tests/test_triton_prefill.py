@@ -301,8 +301,6 @@ def test_compiles_once_per_padded_size():
                 short_carry_page_ids=False,
             ),
         ),
-        # One query head per program in the long launch (grid over Hq).
-        (16, PrefillConfig(block_q=16, block_kv=32, pack_gqa=False)),
     ],
     ids=[
         "page<tile",
@@ -313,7 +311,6 @@ def test_compiles_once_per_padded_size():
         "one-launch",
         "short<page",
         "short<page-looked-up",
-        "unpacked",
     ],
 )
 def test_pages_and_tiles(page_size, config):
@@ -472,18 +469,6 @@ def test_gpu_benchmarked_configs(config):
     batch = make_batch(
         rng, seqs, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, dtype=jnp.bfloat16
     )
-    _check_against_reference(batch, jnp.bfloat16, config=config)
-
-
-@pytest.mark.gpu
-def test_gpu_unpacked_config():
-    """`pack_gqa=False` (one query head per program) with the default tiles, compiled."""
-    rng = np.random.default_rng(6)
-    seqs = [(2048, 2048), (300, 1500), (1, 900), (3, 700), (1, 64), (2, 129), (6, 6)]
-    batch = make_batch(
-        rng, seqs, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=64, dtype=jnp.bfloat16
-    )
-    config = dataclasses.replace(PrefillConfig.default(128, jnp.bfloat16), pack_gqa=False)
     _check_against_reference(batch, jnp.bfloat16, config=config)
 
 

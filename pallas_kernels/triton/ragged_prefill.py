@@ -48,8 +48,8 @@ class PrefillConfig:
     """Tile sizes and Triton launch options of the prefill kernel.
 
     Attributes:
-      block_q: rows of a score tile, i.e. query tokens per block times the tile's query heads
-        (the KV-head group with `pack_gqa`, else 1) padded to a power of two.
+      block_q: rows of a score tile, i.e. query tokens per block times the KV-head group size
+        padded to a power of two (a block holds `max(1, block_q // padded_group)` tokens).
       block_kv: keys per K/V tile; independent of the page size (keys are gathered one by one
         through the page table).
       num_warps, num_stages: Triton's warps per program and software-pipelining depth.
@@ -60,10 +60,6 @@ class PrefillConfig:
         into registers, so K/V is prefetched `num_stages - 1` tiles ahead, but ptxas copies
         the loaded ids into the carried registers before the loop's back edge: every iteration
         ends waiting for a global load issued behind the K/V copies in flight.
-      pack_gqa: True: a tile's rows are tokens times the query heads of one KV head, so each
-        K/V tile is loaded once per GQA group. False: one query head per program (grid over
-        the Hq heads, as in JAX's dense `mha`), the group's heads loading the same K/V tiles
-        from L2. The short-sequence launch always packs.
       short_block_q, short_block_kv, short_num_warps, short_num_stages, short_carry_page_ids:
         the same for the launch that takes the sequences of at most
         `max(1, short_block_q // padded_group)` tokens; `short_block_q=0` leaves every sequence
@@ -75,7 +71,6 @@ class PrefillConfig:
     num_warps: int = 8
     num_stages: int = 5
     carry_page_ids: bool = False
-    pack_gqa: bool = True
     short_block_q: int = 16
     short_block_kv: int = 64
     short_num_warps: int = 4
@@ -141,20 +136,17 @@ def _prefill_kernel(
     logits_soft_cap: float | None,
     tokens: int,
     group: int,
-    pack_gqa: bool,
     block_kv: int,
     carry_page_ids: bool,
 ):
-    """One q block of one KV head (`pack_gqa`) or of one query head.
+    """One q block of one KV head.
 
     plan_ref i32[9, blocks]; q_ref [T, Hq, D]; k_ref, v_ref [P, page_size, Hkv, D];
     pages_ref i32[S, pages_per_seq]; refs ends with o_ref [T, Hq, D] and lse_ref f32[T, Hq]
     (before them, when the launch updates given outputs, those buffers as aliased inputs).
     """
     o_ref, lse_ref = refs[-2:]
-    block, slot = pl.program_id(0), pl.program_id(1)
-    heads = group if pack_gqa else 1  # query heads in the tile
-    kv_head = slot if pack_gqa else lax.div(slot, group)
+    block, kv_head = pl.program_id(0), pl.program_id(1)
     page_size = k_ref.shape[1]
     head_dim = q_ref.shape[2]
     seq = plan_ref[block_plan.SEQ, block]
@@ -167,16 +159,16 @@ def _prefill_kernel(
     full_hi = plan_ref[block_plan.FULL_HI, block]
     tile_hi = plan_ref[block_plan.TILE_HI, block]
 
-    # Row r of the tile is token r // padded_heads of the block and query head r % padded_heads
-    # of the tile's heads (both powers of two, so these are shifts and masks).
-    padded_heads = pl.next_power_of_2(heads)
-    rows = tokens * padded_heads
+    # Row r of the tile is token r // padded_group of the block and query head r % padded_group
+    # of the group (both powers of two, so these are shifts and masks).
+    padded_group = pl.next_power_of_2(group)
+    rows = tokens * padded_group
     row = jnp.arange(rows, dtype=jnp.int32)
-    token_in_block = lax.div(row, padded_heads)
-    head_in_tile = lax.rem(row, padded_heads)
-    row_ok = (token_in_block < num_tokens) & (head_in_tile < heads)
+    token_in_block = lax.div(row, padded_group)
+    head_in_group = lax.rem(row, padded_group)
+    row_ok = (token_in_block < num_tokens) & (head_in_group < group)
     token = first_token + token_in_block
-    head = slot * heads + head_in_tile
+    head = kv_head * group + head_in_group
     # Whole-array indices (no slices) so that masked loads and stores also run in interpret mode.
     dim = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     q_at = (token[:, None], head[:, None], dim)
@@ -343,7 +335,7 @@ def _ragged_paged_attention(
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_tokens == 0:
         return tuple(jnp.zeros(s.shape, s.dtype) for s in _out_shapes(q))
-    tile_heads = num_q_heads // num_kv_heads if config.pack_gqa else 1
+    group = num_q_heads // num_kv_heads
     meta = sanitize_metadata(
         kv_lens,
         page_indices,
@@ -354,8 +346,8 @@ def _ragged_paged_attention(
         page_size=page_size,
     )
     options = dict(causal=causal, sliding_window=sliding_window)
-    tokens = max(1, config.block_q // pl.next_power_of_2(tile_heads))
-    short_tokens = short_tokens_of(config, num_q_heads // num_kv_heads)
+    tokens = max(1, config.block_q // pl.next_power_of_2(group))
+    short_tokens = short_tokens_of(config, group)
     plan = plan_blocks(
         meta.cu_q_lens,
         meta.kv_lens,
@@ -378,7 +370,6 @@ def _ragged_paged_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         carry_page_ids=config.carry_page_ids,
-        pack_gqa=config.pack_gqa,
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
         interpret=interpret,
@@ -469,7 +460,6 @@ def _launch(
     sliding_window,
     logits_soft_cap,
     interpret,
-    pack_gqa=True,
 ):
     """One launch of the kernel over the q blocks of `plan`. It writes only the rows of its
     blocks: `outputs`, when given, are (out, lse) buffers that it updates in place."""
@@ -487,13 +477,12 @@ def _launch(
         logits_soft_cap=logits_soft_cap,
         tokens=tokens,
         group=num_q_heads // num_kv_heads,
-        pack_gqa=pack_gqa,
         block_kv=block_kv,
         carry_page_ids=carry_page_ids,
     )
     return pl.pallas_call(
         kernel,
-        grid=(plan.shape[1], num_kv_heads if pack_gqa else num_q_heads),
+        grid=(plan.shape[1], num_kv_heads),
         out_shape=_out_shapes(q),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
