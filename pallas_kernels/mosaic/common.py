@@ -23,6 +23,17 @@ def on_sm90() -> bool:
     return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
 
 
+def preferred(enabled: bool, dtype, head_dim: int, page_size: int, block_kv: int) -> bool:
+    """A kernel's `is_preferred`: `enabled` (its benchmarks put it ahead of the Triton kernel),
+    bf16/f16 inputs of shapes it takes (`block_kv`: its default step), and an sm_90 device."""
+    return (
+        enabled
+        and jnp.dtype(dtype) in DTYPES
+        and takes(head_dim, page_size, block_kv)
+        and on_sm90()
+    )
+
+
 def check_inputs(name: str, dtype, head_dim: int, page_size: int, config, interpret: bool):
     """The checks every Mosaic kernel makes before tracing; `name` says which kernel."""
     if interpret:

@@ -45,7 +45,7 @@ from pallas_kernels.common import (
     poisoned,
     visible,
 )
-from pallas_kernels.mosaic.common import DTYPES, check_inputs, check_smem, on_sm90, takes
+from pallas_kernels.mosaic.common import check_inputs, check_smem, preferred
 
 _TILE_M = 64  # `wgmma` M: the rows of the score tile.
 _SWIZZLE = 128  # bytes; every supported D is a multiple of the 64 16-bit elements this spans.
@@ -122,12 +122,8 @@ def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> 
     """Whether `implementation=None` may pick this kernel for such inputs: bf16/f16 and shapes
     it takes on sm_90 devices only, and only once benchmarks show it ahead of the Triton decode
     kernel."""
-    return (
-        _PREFERRED_ON_SM90
-        and jnp.dtype(dtype) in DTYPES
-        and takes(head_dim, page_size, default_config(head_dim).block_kv)
-        and on_sm90()
-    )
+    block_kv = default_config(head_dim).block_kv
+    return preferred(_PREFERRED_ON_SM90, dtype, head_dim, page_size, block_kv)
 
 
 def paged_decode_attention(

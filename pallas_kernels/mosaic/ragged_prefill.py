@@ -45,7 +45,7 @@ from pallas_kernels.common import (
     sanitize_metadata,
     visible,
 )
-from pallas_kernels.mosaic.common import DTYPES, check_inputs, check_smem, on_sm90, takes
+from pallas_kernels.mosaic.common import check_inputs, check_smem, preferred
 from pallas_kernels.triton import ragged_prefill as triton_prefill
 
 _ROWS = 64  # rows per compute warpgroup: the `wgmma` M
@@ -94,12 +94,8 @@ def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> 
     """Whether `implementation=None` may pick this kernel for such inputs: bf16/f16 and shapes
     it takes (D a multiple of 64 up to 256, a page size that is a multiple of 8 dividing the
     default step) on sm_90; elsewhere the Triton kernel serves."""
-    return (
-        _PREFERRED_ON_SM90
-        and jnp.dtype(dtype) in DTYPES
-        and takes(head_dim, page_size, default_config(head_dim).block_kv)
-        and on_sm90()
-    )
+    block_kv = default_config(head_dim).block_kv
+    return preferred(_PREFERRED_ON_SM90, dtype, head_dim, page_size, block_kv)
 
 
 def ragged_paged_attention(
