@@ -13,6 +13,16 @@ The dense baseline runs the same weights with a contiguous KV cache and
 with the same one sync per step; its single-shot prefill logits are compared with the engine's
 so that the baseline is known to be the same model.
 
+Batch prefill (`--batch-prompts N`, default 16): N prompts of `--prompt-len` tokens prefilled
+together with the step's token budget held at `--prompt-len`, as a server runs many requests.
+Single-shot takes one whole prompt per step; chunks of c tokens put `prompt_len // c` sequences'
+chunks into each step. Every step then has the same matmul shapes, so the ratio shows what
+chunking itself costs: attention of chunks over cached prefixes, and the scheduling.
+
+`--profile` adds each prefill case's GPU time per step from CUPTI (the steps run once more),
+split into matmuls, attention and the rest: what the wall time spends beyond kernels is launch
+gaps and host work.
+
 `--smoke` runs the tiny config on small sizes (any machine) to check the script itself.
 """
 
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 import time
 
 import jax
@@ -36,7 +47,7 @@ from models.engine import Engine, Stats
 from models.scheduler import SamplingParams
 
 
-def _engine(model, implementation, *, max_seqs, budget, max_len, page_size) -> Engine:
+def _engine(model, implementation, *, max_seqs, budget, max_len, page_size, chunk=None) -> Engine:
     pages_per_seq = -(-max_len // page_size)
     config = EngineConfig(
         page_size=page_size,
@@ -44,7 +55,7 @@ def _engine(model, implementation, *, max_seqs, budget, max_len, page_size) -> E
         max_seqs=max_seqs,
         max_tokens_per_step=budget,
         max_model_len=max_len,
-        chunk_size=budget,
+        chunk_size=chunk or budget,
     )
     return Engine(model, config, implementation=implementation)
 
@@ -55,6 +66,45 @@ def _timed(engine: Engine, prompts, params: SamplingParams) -> Stats:
     engine.stats = Stats()
     engine.generate(prompts, params)
     return engine.stats
+
+
+_KERNEL_KINDS = (
+    ("matmul", re.compile(r"gemm|xmma|cutlass|matmul|cublas", re.I)),
+    ("attention", re.compile(r"prefill|decode|attention|body", re.I)),
+)
+
+
+def _kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in _KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def _profiled(engine: Engine, prompts, params: SamplingParams) -> dict:
+    """GPU time of the engine's steps on `prompts`: every kernel CUPTI sees while the (already
+    compiled) engine runs them once more, per step, split into matmuls, attention and the rest.
+    Uses the CUPTI hooks behind `jax.experimental.mosaic.gpu.profiler.measure` (private), so
+    that the steps are the engine's own donated calls."""
+    from jax._src.lib import mosaic_gpu  # noqa: PLC0415 - private, GPU only
+
+    ext = mosaic_gpu._mosaic_gpu_ext
+    steps = engine.stats.steps
+    ext._cupti_init()
+    try:
+        engine.generate(prompts, params)
+    finally:
+        timings = ext._cupti_get_timings(True)
+    steps = engine.stats.steps - steps
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for name, ms in timings:
+        by_kind[_kernel_kind(name)] = by_kind.get(_kernel_kind(name), 0.0) + ms
+        by_name[name] = by_name.get(name, 0.0) + ms
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:8]
+    return dict(
+        gpu_ms_per_step=sum(by_kind.values()) / steps,
+        gpu_ms_per_step_by_kind={k: v / steps for k, v in sorted(by_kind.items())},
+        kernels_per_step=len(timings) / steps,
+        top_kernels_ms_per_step=[(name[:80], ms / steps) for name, ms in top],
+    )
 
 
 def _dense_layer(layer, x, k_cache, v_cache, positions, kv_lens, *, prefill: bool):
@@ -165,13 +215,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ctx", type=int, default=1024, help="cached tokens per decode sequence")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--batch-prompts", type=int, default=16, help="0: no batch prefill")
+    parser.add_argument("--profile", action="store_true", help="CUPTI GPU time per step")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny config, small sizes")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.smoke:
         args.config, args.prompt_len, args.chunks, args.batches = "tiny", 96, [16, 32], [1, 4]
-        args.ctx, args.new_tokens = 40, 6
+        args.ctx, args.new_tokens, args.batch_prompts = 40, 6, min(args.batch_prompts, 4)
 
     model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
     vocab = model.config.vocab_size
@@ -201,8 +253,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
             case["baseline_max_abs_logit_diff"] = float(
                 np.max(np.abs(logits[0] - seq.prompt_logits[-1]))
             )
+        if args.profile:
+            case.update(_profiled(engine, [prompt.tolist()], SamplingParams(max_new_tokens=1)))
         cases.append(case)
         print_table([case], list(case))
+
+    if args.batch_prompts:
+        prompts = rng.integers(0, vocab, (args.batch_prompts, args.prompt_len)).tolist()
+        for chunk in [args.prompt_len, *args.chunks]:
+            engine = make(
+                max_seqs=args.batch_prompts, budget=args.prompt_len, max_len=max_len, chunk=chunk
+            )
+            stats = _timed(engine, prompts, SamplingParams(max_new_tokens=1))
+            case = dict(
+                kind="batch_prefill",
+                prompts=args.batch_prompts,
+                tokens=args.prompt_len,
+                chunk="single-shot" if chunk == args.prompt_len else chunk,
+                steps=stats.steps,
+                tokens_per_s=stats.prefill_tokens_per_s,
+                dispatch_ms_per_step=1e3 * stats.dispatch_time / stats.steps,
+            )
+            if args.profile:
+                case.update(_profiled(engine, prompts, SamplingParams(max_new_tokens=1)))
+            cases.append(case)
+            print_table([case], list(case))
 
     for batch in args.batches:
         prompts = rng.integers(0, vocab, (batch, args.ctx))

@@ -41,14 +41,26 @@ CASES = [
 GOALS = {"b1-ctx32768-ps16": 3.7, "b1-ctx32768-ps64": 3.7, "b64-ragged4096-ps16": 3.9}
 
 OLD_DEFAULT = mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4)
+_CONFIG = mosaic.MosaicDecodeConfig
 # (label, config or None for the default, splits: "rule", a multiple of the rule's count, or
-# "old" for the first run's rule of about two programs per SM).
+# "old" for the first run's rule of about two programs per SM). Runs 1 and 3 timed 2x and 4x
+# splits and the run-1 default (results/mosaic_decode_h200_run{1,3}.json); this set times
+# configs small enough for two programs per SM, and the longest-first order.
 VARIANTS = [
     ("mosaic default", None, "rule"),
-    ("mosaic default, 2x splits", None, 2),
-    ("mosaic default, 4x splits", None, 4),
-    ("mosaic block_kv=128 stages=3", mosaic.MosaicDecodeConfig(block_kv=128, num_stages=3), "rule"),
-    ("mosaic run-1 default (block_kv=64 stages=4)", OLD_DEFAULT, "old"),
+    ("mosaic default, longest first", _CONFIG(longest_first=True), "rule"),
+    ("mosaic block_kv=64 stages=2", _CONFIG(block_kv=64, num_stages=2), "rule"),
+    ("mosaic block_kv=64 stages=3", _CONFIG(block_kv=64, num_stages=3), "rule"),
+    (
+        "mosaic block_kv=64 stages=2, longest first",
+        _CONFIG(block_kv=64, num_stages=2, longest_first=True),
+        "rule",
+    ),
+    (
+        "mosaic block_kv=64 stages=3, longest first",
+        _CONFIG(block_kv=64, num_stages=3, longest_first=True),
+        "rule",
+    ),
 ]
 
 
@@ -84,7 +96,8 @@ def mosaic_splits(config, splits, batch: int, max_len: int) -> int:
     if splits == "old":
         programs = batch * NUM_KV_HEADS
         return max(1, min(2 * H200_NUM_SMS // programs, max_steps // 4))
-    rule = mosaic.choose_num_splits(batch, NUM_KV_HEADS, max_steps)
+    num_sms = mosaic.programs_per_sm(config, HEAD_DIM) * H200_NUM_SMS
+    rule = mosaic.choose_num_splits(batch, NUM_KV_HEADS, max_steps, num_sms=num_sms)
     return rule if splits == "rule" else min(rule * splits, max_steps)
 
 

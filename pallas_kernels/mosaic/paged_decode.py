@@ -45,7 +45,7 @@ from pallas_kernels.common import (
     poisoned,
     visible,
 )
-from pallas_kernels.mosaic.common import check_inputs, check_smem, preferred
+from pallas_kernels.mosaic.common import SMEM_LIMIT, check_inputs, check_smem, preferred
 
 _TILE_M = 64  # `wgmma` M: the rows of the score tile.
 _SWIZZLE = 128  # bytes; every supported D is a multiple of the 64 16-bit elements this spans.
@@ -70,11 +70,16 @@ class MosaicDecodeConfig:
         of V, one TMA copy per page.
       num_stages: pipeline steps of K and V buffered in shared memory, i.e. how far the copy
         warpgroup runs ahead of compute. Shared memory per stage is `2 * block_kv * D * 2`
-        bytes.
+        bytes. Configs small enough for two programs per SM get twice the programs from the
+        split rule (`programs_per_sm`).
+      longest_first: run the sequences in order of decreasing length (an XLA argsort of
+        `kv_lens` per call), so that in a ragged batch the last programs to start are the
+        short ones and no SM is left with a long program at the end.
     """
 
     block_kv: int = 128
     num_stages: int = 2
+    longest_first: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.block_kv, int) and self.block_kv % 64 == 0):
@@ -116,6 +121,14 @@ def choose_num_splits(
     programs = num_seq_slots * num_kv_heads
     by_length = max(1, max_steps // _MIN_STEPS_PER_SPLIT)
     return max(1, min(num_sms // programs, by_length))
+
+
+def programs_per_sm(config: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
+    """Programs of this config that run at once on one SM: as many as its shared memory holds
+    (228 KiB, 1 KiB of it reserved per program), but at most two, whose 2 x 256 threads get
+    the 128 registers each that the compute warpgroup's f32 tiles need."""
+    fit = (SMEM_LIMIT + 1024) // (_smem_bytes(config, head_dim, itemsize) + 1024)
+    return max(1, min(2, fit))
 
 
 def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> bool:
@@ -166,8 +179,9 @@ def paged_decode_attention(
     _check(q, page_size, head_dim, group, config, interpret)
     max_steps = _max_steps(pages_per_seq * page_size, sliding_window, config.block_kv)
     if num_splits is None:
+        per_sm = programs_per_sm(config, head_dim, q.dtype.itemsize)
         num_splits = choose_num_splits(
-            num_seq_slots, num_kv_heads, max_steps, num_sms=device_num_sms()
+            num_seq_slots, num_kv_heads, max_steps, num_sms=per_sm * device_num_sms()
         )
     q_rows = _q_rows(group)
     if num_q_heads < q_rows:
@@ -228,6 +242,8 @@ def paged_decode_attention(
         compiler_params=plgpu.CompilerParams(approx_math=logits_soft_cap is None),
     )
     inputs = (q, k_pages, v_pages, kv_lens, page_indices)
+    if config.longest_first:  # the program for the i-th slot runs slot order[i]
+        inputs += (jnp.argsort(-kv_lens).astype(jnp.int32),)
     if poison_enabled():
         # Outputs start as NaN so that tests see any element the kernel fails to write: refs
         # passed in are aliased to the kernel's outputs.
@@ -266,26 +282,26 @@ def _make_body(
     block_kv, stages = config.block_kv, config.num_stages
     pages_per_step = block_kv // page_size
 
-    def body(
-        q_ref,
-        k_ref,
-        v_ref,
-        lens_ref,
-        table_ref,
-        out_ref,
-        lse_ref,
-        q_smem,
-        union,
-        q_barrier,
-        k_ready,
-        v_ready,
-        k_free,
-        v_free,
-    ):
+    def body(q_ref, k_ref, v_ref, lens_ref, table_ref, *refs):
+        if config.longest_first:
+            order_ref, *refs = refs
+        (
+            out_ref,
+            lse_ref,
+            q_smem,
+            union,
+            q_barrier,
+            k_ready,
+            v_ready,
+            k_free,
+            v_free,
+        ) = refs
         (k_smem, v_smem), (o_smem, lse_smem) = union
         kv_head = lax.axis_index("kv_head")
         split = lax.axis_index("split")
         seq = lax.axis_index("seq")
+        if config.longest_first:
+            seq = jnp.clip(order_ref[seq], 0, lens_ref.shape[0] - 1)
         num_pages = k_ref.shape[0]
         pages_per_seq = table_ref.shape[1]
         # The clamps of `sanitize_metadata`, done here to save XLA kernels per call: bad
@@ -447,6 +463,10 @@ def _check(q, page_size, head_dim, group, config, interpret) -> None:
             f"wgmma tile (Hq // Hkv <= 64 for multiples of 8, <= 56 otherwise); got "
             f"Hq // Hkv = {group}"
         )
-    itemsize = jnp.dtype(q.dtype).itemsize
-    smem = (2 * config.num_stages * config.block_kv + _TILE_M) * head_dim * itemsize
+    smem = _smem_bytes(config, head_dim, jnp.dtype(q.dtype).itemsize)
     check_smem(config, smem, head_dim)
+
+
+def _smem_bytes(config: MosaicDecodeConfig, head_dim: int, itemsize: int) -> int:
+    """Shared memory of one program: the K and V stages and the Q tile."""
+    return (2 * config.num_stages * config.block_kv + _TILE_M) * head_dim * itemsize
