@@ -43,11 +43,13 @@ import jaxpaged
 from benchmarks.common import print_table, write_results
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
-from models.engine import Engine, Stats
+from models.engine import STEP_XLA_OPTIONS, Engine, Stats
 from models.scheduler import SamplingParams
 
 
-def _engine(model, implementation, *, max_seqs, budget, max_len, page_size, chunk=None) -> Engine:
+def _engine(
+    model, implementation, *, max_seqs, budget, max_len, page_size, xla_options, chunk=None
+) -> Engine:
     pages_per_seq = -(-max_len // page_size)
     config = EngineConfig(
         page_size=page_size,
@@ -57,7 +59,7 @@ def _engine(model, implementation, *, max_seqs, budget, max_len, page_size, chun
         max_model_len=max_len,
         chunk_size=chunk or budget,
     )
-    return Engine(model, config, implementation=implementation)
+    return Engine(model, config, implementation=implementation, xla_options=xla_options)
 
 
 def _timed(engine: Engine, prompts, params: SamplingParams) -> Stats:
@@ -69,7 +71,7 @@ def _timed(engine: Engine, prompts, params: SamplingParams) -> Stats:
 
 
 _KERNEL_KINDS = (
-    ("matmul", re.compile(r"gemm|xmma|cutlass|matmul|cublas", re.I)),
+    ("matmul", re.compile(r"gemm|xmma|cutlass|matmul|cublas|nvjet", re.I)),
     ("attention", re.compile(r"prefill|decode|attention|body", re.I)),
 )
 
@@ -153,11 +155,13 @@ def _dense_step(graphdef, params, caches, tokens, start, *, prefill):
 @functools.cache
 def _dense_step_fn(graphdef):
     """`_dense_step` jitted with `graphdef` bound (as the engine binds its step's): a static
-    GraphDef would be hashed on every call, milliseconds of host time per step."""
+    GraphDef would be hashed on every call, milliseconds of host time per step. It gets the
+    engine's XLA options, so that the two differ only in their KV cache and attention."""
     return jax.jit(
         functools.partial(_dense_step, graphdef),
         static_argnames="prefill",
         donate_argnames="caches",
+        compiler_options=dict(STEP_XLA_OPTIONS) if jax.default_backend() == "gpu" else None,
     )
 
 
@@ -217,6 +221,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--batch-prompts", type=int, default=16, help="0: no batch prefill")
     parser.add_argument("--profile", action="store_true", help="CUPTI GPU time per step")
+    parser.add_argument(
+        "--xla-defaults",
+        action="store_true",
+        help="compile the engine's step with XLA's default options, not STEP_XLA_OPTIONS",
+    )
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny config, small sizes")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -228,7 +237,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
-    make = functools.partial(_engine, model, args.implementation, page_size=args.page_size)
+    xla_options = () if args.xla_defaults else STEP_XLA_OPTIONS
+    make = functools.partial(
+        _engine, model, args.implementation, page_size=args.page_size, xla_options=xla_options
+    )
     cases = []
 
     prompt = rng.integers(0, vocab, args.prompt_len)
@@ -242,6 +254,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             chunk="single-shot" if chunk == args.prompt_len else chunk,
             steps=stats.steps,
             tokens_per_s=stats.prefill_tokens_per_s,
+            wall_ms_per_step=1e3 * stats.prefill_time / stats.prefill_steps,
             dispatch_ms_per_step=1e3 * stats.dispatch_time / stats.steps,
         )
         if chunk == args.prompt_len and not args.no_baseline:
@@ -272,6 +285,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 chunk="single-shot" if chunk == args.prompt_len else chunk,
                 steps=stats.steps,
                 tokens_per_s=stats.prefill_tokens_per_s,
+                wall_ms_per_step=1e3 * stats.prefill_time / stats.prefill_steps,
                 dispatch_ms_per_step=1e3 * stats.dispatch_time / stats.steps,
             )
             if args.profile:
@@ -290,6 +304,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ctx=args.ctx,
             steps=stats.steps,
             tokens_per_s=stats.decode_tokens_per_s,
+            wall_ms_per_step=1e3 * stats.decode_time / stats.decode_steps,
             dispatch_ms_per_step=1e3 * stats.dispatch_time / stats.steps,
         )
         if not args.no_baseline:
@@ -306,6 +321,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for case in cases:
         case.update(
             config=args.config,
+            xla_options=dict(xla_options),
             implementation=implementation["ragged" if case["kind"] == "prefill" else "decode"],
         )
     if args.out:

@@ -145,23 +145,29 @@ def mixed_table(res: Results) -> list[str]:
 
 
 def e2e_table(res: Results) -> list[str]:
-    single = next(
-        (c for c in res.cases if c["kind"] == "prefill" and c["chunk"] == "single-shot"), None
-    )
+    # Each prefill kind (one prompt, a batch of prompts) against its own single-shot row.
+    single = {
+        c["kind"]: c for c in res.cases if c["kind"] != "decode" and c["chunk"] == "single-shot"
+    }
     rows = []
     for c in res.cases:
-        what = (
-            f"prefill {c['tokens']} tokens, chunk {c['chunk']}"
-            if c["kind"] == "prefill"
-            else f"decode B={c['batch']} ctx {c['ctx']}"
-        )
+        if c["kind"] == "prefill":
+            what = f"prefill 1 x {c['tokens']} tokens, chunk {c['chunk']}"
+        elif c["kind"] == "batch_prefill":
+            what = f"prefill {c['prompts']} x {c['tokens']} tokens, chunk {c['chunk']}"
+        else:
+            what = f"decode B={c['batch']} ctx {c['ctx']}"
         base = c.get("baseline_tokens_per_s")
-        chunked = c["kind"] == "prefill" and c["chunk"] != "single-shot" and single
+        ref = single.get(c["kind"])
+        chunked = c["kind"] != "decode" and c["chunk"] != "single-shot" and ref
+        gpu = c.get("gpu_ms_per_step")
+        wall = c.get("wall_ms_per_step")
         rows.append(
             [
                 what,
                 f"{c['tokens_per_s']:.0f}",
-                f"{c['tokens_per_s'] / single['tokens_per_s']:.2f}x" if chunked else "–",
+                f"{c['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if chunked else "–",
+                f"{wall:.2f} / {gpu:.2f}" if gpu and wall else "–",
                 f"{base:.0f}" if base else "–",
                 f"{c['tokens_per_s'] / base:.2f}x" if base else "–",
             ]
@@ -170,6 +176,7 @@ def e2e_table(res: Results) -> list[str]:
         "step",
         "jaxpaged tokens/s",
         "vs single-shot",
+        "ms per step: wall / GPU",
         "dense XLA tokens/s",
         "jaxpaged vs dense",
     ]

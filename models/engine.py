@@ -73,8 +73,8 @@ def model_step(
     all_logits: bool,
     implementation: str | None,
 ) -> tuple[KVPages, jaxpaged.PagePool, StepOutputs]:
-    """One step of the decoder, traced by `step_function(graphdef)`, which jits it with
-    `kv_pages` and `pool` donated: they come back updated in place."""
+    """One step of the decoder, traced by `step_function`, which jits it with `kv_pages` and
+    `pool` donated: they come back updated in place."""
     num_tokens = inputs.tokens.shape[0]
     num_seq_slots = inputs.seq_ids.shape[0]
     live = jnp.arange(num_seq_slots) < inputs.num_seqs
@@ -104,18 +104,45 @@ def model_step(
     return kv_pages, pool, StepOutputs(tokens, logprobs, ok, logits)
 
 
+# XLA options of the engine's step on GPUs (ignored elsewhere), from the H200 (benchmarks/
+# NOTES.md, session 3): no CUDA-graph command buffers, whose per-step graph update held the
+# first kernel back until the whole step was recorded (a 256-token step of the 1B decoder took
+# 5.5 ms with them, 4.4 ms without), and no dot merging, which concatenated the Q/K/V weights
+# in every step of 512 or 2048 tokens.
+STEP_XLA_OPTIONS = (
+    ("xla_gpu_enable_command_buffer", ""),
+    ("xla_gpu_dot_merger_threshold_mb", 0),
+)
+
+
 @functools.cache
-def step_function(graphdef: nnx.GraphDef):
-    """`model_step` with `graphdef` bound, jitted once per model structure (the engine's step;
-    `decode`, `all_logits` and `implementation` are static). Dispatch hashes and compares a
-    jitted function's static arguments on every call, and the GraphDef of the 1B decoder takes
-    milliseconds to hash: as a static argument it made a B=1 decode step of the 1B model take
-    5.4 ms on the H200 instead of 3.6 (benchmarks/NOTES.md)."""
+def step_function(
+    graphdef: nnx.GraphDef,
+    params_treedef: jax.tree_util.PyTreeDef,
+    xla_options: tuple[tuple[str, object], ...] = STEP_XLA_OPTIONS,
+):
+    """`model_step` jitted once per model structure, taking the parameters as the flat list of
+    their leaves (the engine's step; `decode`, `all_logits` and `implementation` are static).
+
+    Dispatch hashes a jitted function's static arguments and flattens its pytree arguments on
+    every call: the GraphDef of the 1B decoder took milliseconds to hash as a static argument
+    (5.4 ms per B=1 decode step on the H200 instead of 3.6), and flattening its nnx.State
+    hundreds of microseconds, so both are bound here instead."""
+
+    def step(param_leaves, kv_pages, pool, inputs, **static):
+        params = jax.tree.unflatten(params_treedef, param_leaves)
+        return model_step(graphdef, params, kv_pages, pool, inputs, **static)
+
     return jax.jit(
-        functools.partial(model_step, graphdef),
+        step,
         static_argnames=("decode", "all_logits", "implementation"),
         donate_argnames=("kv_pages", "pool"),
+        compiler_options=dict(xla_options) if _on_gpu() else None,
     )
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
 
 
 @dataclasses.dataclass
@@ -125,8 +152,10 @@ class Stats:
 
     prefill_tokens: int = 0
     prefill_time: float = 0.0
+    prefill_steps: int = 0
     decode_tokens: int = 0
     decode_time: float = 0.0
+    decode_steps: int = 0
     steps: int = 0
     failed_steps: int = 0
     # Host time inside the jitted call (argument handling and launch; the GPU runs on after
@@ -145,7 +174,14 @@ class Stats:
 class Engine:
     """Continuous batching over one decoder: owns its KV pages, page pool and scheduler."""
 
-    def __init__(self, model: Decoder, config: EngineConfig, *, implementation: str | None = None):
+    def __init__(
+        self,
+        model: Decoder,
+        config: EngineConfig,
+        *,
+        implementation: str | None = None,
+        xla_options: tuple[tuple[str, object], ...] = STEP_XLA_OPTIONS,
+    ):
         # Preemption lets the oldest sequence run alone, so one sequence must fit the pool.
         if config.pages_per_seq > config.num_pages:
             raise ValueError(
@@ -155,7 +191,10 @@ class Engine:
         self.config = config
         self.implementation = implementation
         self.graphdef, self.params = nnx.split(model)
-        self._step_fn = step_function(self.graphdef)
+        self.param_leaves, treedef = jax.tree.flatten(self.params)
+        # The jitted step: step_fn(param_leaves, kv_pages, pool, inputs, *, decode, all_logits,
+        # implementation) -> (kv_pages, pool, StepOutputs), pages and pool donated.
+        self.step_fn = step_function(self.graphdef, treedef, tuple(xla_options))
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(
@@ -187,8 +226,8 @@ class Engine:
         inputs = self._inputs(plan)
         start = time.perf_counter()
         with jaxpaged.quiet_triton_deprecation():
-            self.kv_pages, self.pool, out = self._step_fn(
-                self.params,
+            self.kv_pages, self.pool, out = self.step_fn(
+                self.param_leaves,
                 self.kv_pages,
                 self.pool,
                 inputs,
@@ -276,6 +315,8 @@ class Engine:
         if all(c.is_decode for c in plan.chunks):
             self.stats.decode_tokens += len(plan.chunks)
             self.stats.decode_time += elapsed
+            self.stats.decode_steps += 1
         else:
             self.stats.prefill_tokens += sum(c.length for c in plan.chunks if not c.is_decode)
             self.stats.prefill_time += elapsed
+            self.stats.prefill_steps += 1

@@ -27,7 +27,7 @@ import jaxpaged
 from models import generate
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
-from models.engine import Engine, step_function
+from models.engine import Engine
 from models.induction import BOS, induction_decoder, induction_prompt
 from models.scheduler import Chunk, Plan, SamplingParams, Sequence
 
@@ -362,8 +362,8 @@ def test_failed_reservation_writes_nothing():
     newcomer = Sequence(99, _prompt(40, 1), 40, SamplingParams(4), slot=1)
     plan = Plan([Chunk(seq, seq.num_cached, 1), Chunk(newcomer, 0, 40)])
     before = jax.device_get((engine.kv_pages, engine.pool))
-    kv_pages, pool, out = step_function(engine.graphdef)(
-        engine.params,
+    kv_pages, pool, out = engine.step_fn(
+        engine.param_leaves,
         engine.kv_pages,
         engine.pool,
         engine._inputs(plan),
@@ -423,8 +423,8 @@ def test_step_updates_pages_and_pool_in_place(backend, decode):
         engine.step()
         plan = engine.scheduler.schedule()
     assert plan.decode == decode and plan.chunks[0].seq is seq
-    step = step_function(engine.graphdef)
-    args = (engine.params, engine.kv_pages, engine.pool, engine._inputs(plan))
+    step = engine.step_fn
+    args = (engine.param_leaves, engine.kv_pages, engine.pool, engine._inputs(plan))
     options = dict(decode=decode, all_logits=False, implementation=backend)
     with jaxpaged.quiet_triton_deprecation():
         compiled = step.lower(*args, **options).compile()
