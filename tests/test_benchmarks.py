@@ -68,3 +68,10 @@ def test_decode_suite_skips_cases_beyond_the_kv_limit():
         c.name for c in attention.DECODE_HEADLINE
     ]
     assert len({c.name for c in cases}) == len(cases)
+
+
+def test_dispatch_benchmark_runs():
+    from benchmarks import dispatch
+
+    [case] = dispatch.main(["--kernels", "3", "--iterations", "2"])
+    assert case["kernels"] == 3 and case["wall_ms"] >= case["dispatch_ms"] > 0
