@@ -92,14 +92,13 @@ def plan_short_sequences(
     block_kv: int,
     causal: bool,
     sliding_window: int | None,
-    min_tokens: int = 1,
 ) -> jax.Array:
     """The plan (as `plan_blocks`) of the short-sequence launch, i32[9, S]: step s takes
-    sequence s whole if it has `min_tokens` to `tokens` tokens, and nothing otherwise."""
+    sequence s whole if it has 1 to `tokens` tokens, and nothing otherwise."""
     num_seq_slots = kv_lens.shape[0]
     seq = jnp.arange(num_seq_slots, dtype=jnp.int32)
     q_len = cu_q_lens[1:] - cu_q_lens[:-1]
-    count = jnp.where((q_len >= min_tokens) & (q_len <= tokens), q_len, 0)
+    count = jnp.where(q_len <= tokens, q_len, 0)
     return plan_columns(
         seq,
         cu_q_lens[:-1],

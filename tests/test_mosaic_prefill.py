@@ -135,55 +135,6 @@ def test_default_config(head_dim, block_kv):
 # ---------------------------------------------------------------------------- on the H200
 
 
-@pytest.mark.parametrize(
-    "options",
-    [dict(sliding_window=None, logits_soft_cap=None), dict(sliding_window=30, logits_soft_cap=5.0)],
-    ids=["plain", "window-softcap"],
-)
-def test_single_tokens_are_routed_to_the_decode_kernel(monkeypatch, options):
-    """The routing around the Mosaic decode kernel (which runs on Hopper only), checked on any
-    machine with the reference decode in its place: exactly the rows of one-token sequences
-    get the decode result; every other row keeps what it held (NaN here)."""
-    from pallas_kernels.common import sanitize_metadata
-    from pallas_kernels.mosaic import paged_decode as mosaic_decode
-
-    calls = []
-
-    def reference_decode(q, k_pages, v_pages, kv_lens, page_indices, **kw):
-        calls.append(kv_lens)
-        return jaxpaged.paged_decode_attention(
-            q, k_pages, v_pages, kv_lens, page_indices, return_lse=True, implementation="xla", **kw
-        )
-
-    monkeypatch.setattr(mosaic_decode, "paged_decode_attention", reference_decode)
-    batch = make_batch(np.random.default_rng(0), MIXED + [(1, 1), (1, 200)], pad_seqs=2)
-    num_tokens, num_q_heads, _ = batch.q.shape
-    meta = sanitize_metadata(
-        batch.kv_lens,
-        batch.page_indices,
-        batch.cu_q_lens,
-        batch.num_seqs,
-        num_tokens=num_tokens,
-        num_pages=batch.k_pages.shape[0],
-        page_size=batch.k_pages.shape[1],
-    )
-    poison = (
-        jnp.full(batch.q.shape, jnp.nan, batch.q.dtype),
-        jnp.full((num_tokens, num_q_heads), jnp.nan, jnp.float32),
-    )
-    out, lse = mosaic._single_tokens(
-        batch.q, batch.k_pages, batch.v_pages, meta, poison, sm_scale=0.125, **options
-    )
-    ref_out, ref_lse = oracle(batch, sm_scale=0.125, **options)
-    cu = np.asarray(batch.cu_q_lens)
-    single = [int(cu[s]) for s in range(int(batch.num_seqs)) if cu[s + 1] - cu[s] == 1]
-    assert len(single) == 3 and len(calls) == 1
-    others = np.setdiff1d(np.arange(num_tokens), single)
-    assert np.isnan(np.asarray(out)[others]).all() and np.isnan(np.asarray(lse)[others]).all()
-    np.testing.assert_allclose(np.asarray(out)[single], ref_out[single], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(lse)[single], ref_lse[single], rtol=1e-5, atol=1e-5)
-
-
 def _run(batch, **options):
     with poison_outputs():
         return jaxpaged.ragged_paged_attention(

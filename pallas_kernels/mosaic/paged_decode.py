@@ -455,14 +455,9 @@ def _q_rows(group: int) -> int:
     return _round_up(group + max_offset, 8)
 
 
-def takes_group(group: int) -> bool:
-    """Whether one KV head's query heads (`group` = Hq // Hkv) fit the 64-row score tile."""
-    return _q_rows(group) <= _TILE_M
-
-
 def _check(q, page_size, head_dim, group, config, interpret) -> None:
     check_inputs("decode", q.dtype, head_dim, page_size, config, interpret)
-    if not takes_group(group):
+    if _q_rows(group) > _TILE_M:
         raise ValueError(
             f"implementation='mosaic' needs the query heads of one KV head to fit one 64-row "
             f"wgmma tile (Hq // Hkv <= 64 for multiples of 8, <= 56 otherwise); got "

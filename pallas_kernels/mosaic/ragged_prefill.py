@@ -20,9 +20,8 @@ before the P V product (P is exactly 0 there, but 0 * NaN is NaN).
 
 Rows are written straight into the final `[T, Hq, D]` layout by TMA boxes of 64, 32, ..., 1
 rows (a block's last rows may belong to the next sequence, which must not be overwritten).
-Sequences of a few tokens would waste most of a 128-row block: single tokens (decode tokens)
-go to the Mosaic decode kernel (`pallas_kernels.mosaic.paged_decode`), sequences of 2 to
-`16 // group` tokens to the Triton kernel's short-sequence launch (`launch_short_sequences`).
+Sequences of a few tokens (decode tokens) would waste most of a 128-row block, so they go to
+the Triton kernel's short-sequence launch (`launch_short_sequences`), as in the Triton path.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ from pallas_kernels.common import (
     sanitize_metadata,
     visible,
 )
-from pallas_kernels.mosaic import paged_decode as mosaic_decode
-from pallas_kernels.mosaic.common import check_inputs, check_smem, preferred, takes
+from pallas_kernels.mosaic.common import check_inputs, check_smem, preferred
 from pallas_kernels.triton import ragged_prefill as triton_prefill
 
 _ROWS = 64  # rows per compute warpgroup: the `wgmma` M
@@ -70,9 +68,8 @@ class MosaicPrefillConfig:
       block_kv: keys per pipeline step (the N of Q K^T): a multiple of 64 and of the page
         size, at most 256.
       num_stages: K/V steps buffered in shared memory (`2 * block_kv * D * 2` bytes each).
-      short_sequences: do not give sequences of at most `16 // group` tokens (at least 1)
-        a 128-token block each: single tokens go to the Mosaic decode kernel (where it takes
-        the shapes), the others to the Triton short-sequence launch.
+      short_sequences: send sequences of at most `16 // group` tokens (at least 1) to the
+        Triton short-sequence launch instead of giving each a 128-token block.
     """
 
     block_kv: int = 128
@@ -234,67 +231,17 @@ def _ragged_paged_attention(
     outputs = (out, lse_t[:, :num_tokens].T)
     if not short_tokens:
         return outputs
-    by_decode_kernel = _decode_kernel_takes(head_dim, page_size, group)
-    shortest_for_triton = 2 if by_decode_kernel else 1
-    if short_tokens >= shortest_for_triton:
-        outputs = triton_prefill.launch_short_sequences(
-            q,
-            k_pages,
-            v_pages,
-            meta,
-            outputs,
-            config=short_config,
-            sm_scale=sm_scale,
-            logits_soft_cap=logits_soft_cap,
-            interpret=False,
-            min_tokens=shortest_for_triton,
-            **options,
-        )
-    if not by_decode_kernel:
-        return outputs
-    return _single_tokens(
+    return triton_prefill.launch_short_sequences(
         q,
         k_pages,
         v_pages,
         meta,
         outputs,
+        config=short_config,
         sm_scale=sm_scale,
-        sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
-    )
-
-
-def _decode_kernel_takes(head_dim: int, page_size: int, group: int) -> bool:
-    """Whether the Mosaic decode kernel's default config takes single tokens of these shapes."""
-    block_kv = mosaic_decode.default_config(head_dim).block_kv
-    return takes(head_dim, page_size, block_kv) and mosaic_decode.takes_group(group)
-
-
-def _single_tokens(
-    q, k_pages, v_pages, meta, outputs, *, sm_scale, sliding_window, logits_soft_cap
-):
-    """Attention of the sequences of exactly one token (decode tokens) by the Mosaic decode
-    kernel, written into their rows of `outputs`. A single token at position kv_len - 1 sees
-    every key up to kv_len, causal or not: the decode kernel's semantics. Other sequences ask
-    the decode kernel for kv_len 0 (their programs stop at once) and keep their rows."""
-    out, lse = outputs
-    num_tokens = q.shape[0]
-    start = meta.cu_q_lens[:-1]
-    single = meta.cu_q_lens[1:] - start == 1
-    out_s, lse_s = mosaic_decode.paged_decode_attention(
-        q[jnp.minimum(start, num_tokens - 1)],
-        k_pages,
-        v_pages,
-        jnp.where(single, meta.kv_lens, 0),
-        meta.page_indices,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
-    rows = jnp.where(single, start, num_tokens)  # out of range: dropped
-    return (
-        out.at[rows].set(out_s.astype(out.dtype), mode="drop"),
-        lse.at[rows].set(lse_s, mode="drop"),
+        interpret=False,
+        **options,
     )
 
 

@@ -411,22 +411,15 @@ def launch_short_sequences(
     sliding_window,
     logits_soft_cap,
     interpret,
-    min_tokens: int = 1,
 ):
-    """The short-sequence launch: attention of every sequence of `min_tokens` to
-    `short_tokens_of(config, group)` tokens, written into `outputs` (out [T, Hq, D], lse
-    f32[T, Hq]) in place; other rows keep what they hold. `meta` is sanitized
-    (`sanitize_metadata`). The Mosaic GPU prefill kernel uses it too, for the sequences of 2 or
-    more tokens that it leaves out."""
+    """The short-sequence launch: attention of every sequence of 1 to `short_tokens_of(config,
+    group)` tokens, written into `outputs` (out [T, Hq, D], lse f32[T, Hq]) in place; other
+    rows keep what they hold. `meta` is sanitized (`sanitize_metadata`). The Mosaic GPU prefill
+    kernel uses it too, for the sequences it leaves out."""
     options = dict(causal=causal, sliding_window=sliding_window)
     tokens = short_tokens_of(config, q.shape[1] // k_pages.shape[2])
     plan = plan_short_sequences(
-        meta.cu_q_lens,
-        meta.kv_lens,
-        tokens=tokens,
-        block_kv=config.short_block_kv,
-        min_tokens=min_tokens,
-        **options,
+        meta.cu_q_lens, meta.kv_lens, tokens=tokens, block_kv=config.short_block_kv, **options
     )
     return _launch(
         q,
