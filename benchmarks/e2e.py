@@ -43,7 +43,7 @@ import jaxpaged
 from benchmarks.common import print_table, write_results
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
-from models.engine import STEP_XLA_OPTIONS, Engine, Stats
+from models.engine import Engine, Stats, step_xla_options
 from models.scheduler import SamplingParams
 
 
@@ -153,15 +153,18 @@ def _dense_step(graphdef, params, caches, tokens, start, *, prefill):
 
 
 @functools.cache
-def _dense_step_fn(graphdef):
+def _dense_step_fn(graphdef, num_tokens: int):
     """`_dense_step` jitted with `graphdef` bound (as the engine binds its step's): a static
     GraphDef would be hashed on every call, milliseconds of host time per step. It gets the
-    engine's XLA options, so that the two differ only in their KV cache and attention."""
+    XLA options of an engine step of `num_tokens` tokens, so that the two differ only in their
+    KV cache and attention."""
     return jax.jit(
         functools.partial(_dense_step, graphdef),
         static_argnames="prefill",
         donate_argnames="caches",
-        compiler_options=dict(STEP_XLA_OPTIONS) if jax.default_backend() == "gpu" else None,
+        compiler_options=(
+            dict(step_xla_options(num_tokens)) if jax.default_backend() == "gpu" else None
+        ),
     )
 
 
@@ -178,7 +181,11 @@ def _dense_prefill(model, prompts: np.ndarray, max_len: int):
     graphdef, params = nnx.split(model)
     start = jnp.zeros(prompts.shape[0], jnp.int32)
     run = functools.partial(
-        _dense_step_fn(graphdef), params, tokens=jnp.asarray(prompts), start=start, prefill=True
+        _dense_step_fn(graphdef, prompts.size),
+        params,
+        tokens=jnp.asarray(prompts),
+        start=start,
+        prefill=True,
     )
     jax.block_until_ready(run(_dense_caches(model.config, prompts.shape[0], max_len)))
     caches = _dense_caches(model.config, prompts.shape[0], max_len)
@@ -192,7 +199,7 @@ def _dense_decode_tokens_per_s(model, prompts: np.ndarray, max_len: int, new_tok
     graphdef, params = nnx.split(model)
     _, _, caches, tokens = _dense_prefill(model, prompts, max_len)
     start = np.full(prompts.shape[0], prompts.shape[1], np.int32)
-    step = _dense_step_fn(graphdef)  # once: the cache lookup hashes the GraphDef
+    step = _dense_step_fn(graphdef, prompts.shape[0])  # once: the lookup hashes the GraphDef
     times = []
     for i in range(new_tokens):
         t0 = time.perf_counter()
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--xla-defaults",
         action="store_true",
-        help="compile the engine's step with XLA's default options, not STEP_XLA_OPTIONS",
+        help="compile the engine's steps with XLA's default options, not step_xla_options",
     )
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny config, small sizes")
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
-    xla_options = () if args.xla_defaults else STEP_XLA_OPTIONS
+    xla_options = () if args.xla_defaults else None
     make = functools.partial(
         _engine, model, args.implementation, page_size=args.page_size, xla_options=xla_options
     )
@@ -321,7 +328,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for case in cases:
         case.update(
             config=args.config,
-            xla_options=dict(xla_options),
+            xla_options="xla defaults" if args.xla_defaults else "engine (step_xla_options)",
             implementation=implementation["ragged" if case["kind"] == "prefill" else "decode"],
         )
     if args.out:

@@ -104,20 +104,32 @@ def model_step(
     return kv_pages, pool, StepOutputs(tokens, logprobs, ok, logits)
 
 
-# XLA options of the engine's step on GPUs (ignored elsewhere). A step of the ~1B decoder is
-# 300-400 kernels, and launching them one by one costs the host milliseconds; XLA's command
-# buffers (CUDA graphs) cut that, and a minimum graph size of 1 lets every run of compatible
-# kernels become one, custom calls in between included. Same H200 run (benchmarks/NOTES.md,
-# run 11): a 256-token chunk step 3.83 ms (XLA's defaults 4.08, no command buffers 4.53);
-# decode B=64 3.28 ms (3.64, 4.26).
-STEP_XLA_OPTIONS = (("xla_gpu_graph_min_graph_size", 1),)
+# XLA options of the engine's steps on GPUs (ignored elsewhere). A step of the ~1B decoder is
+# 300-400 kernels, and launching them one by one costs the host milliseconds. XLA's command
+# buffers (CUDA graphs) cut that, but the graph is updated before it is launched, so the GPU
+# waits for the host instead of starting on the first kernel. Small steps, whose kernels take
+# less time than their launches, gain: with a minimum graph size of 1 (every run of compatible
+# kernels one graph), a 256-token step of the 1B decoder took 3.83 ms against 4.53 ms without
+# command buffers, decode B=64 3.28 ms against 4.26 (same H200 run, benchmarks/NOTES.md run
+# 11). Large steps lose: a 2048-token step took 15.3 ms with them against 10.2 without (runs
+# 12 and 10).
+COMMAND_BUFFER_MAX_TOKENS = 512
+SMALL_STEP_XLA_OPTIONS = (("xla_gpu_graph_min_graph_size", 1),)
+LARGE_STEP_XLA_OPTIONS = (("xla_gpu_enable_command_buffer", ""),)
+
+
+def step_xla_options(num_tokens: int) -> tuple[tuple[str, object], ...]:
+    """The XLA options of a step of `num_tokens` tokens (its T)."""
+    if num_tokens <= COMMAND_BUFFER_MAX_TOKENS:
+        return SMALL_STEP_XLA_OPTIONS
+    return LARGE_STEP_XLA_OPTIONS
 
 
 @functools.cache
 def step_function(
     graphdef: nnx.GraphDef,
     params_treedef: jax.tree_util.PyTreeDef,
-    xla_options: tuple[tuple[str, object], ...] = STEP_XLA_OPTIONS,
+    xla_options: tuple[tuple[str, object], ...] = (),
 ):
     """`model_step` jitted once per model structure, taking the parameters as the flat list of
     their leaves (the engine's step; `decode`, `all_logits` and `implementation` are static).
@@ -178,8 +190,10 @@ class Engine:
         config: EngineConfig,
         *,
         implementation: str | None = None,
-        xla_options: tuple[tuple[str, object], ...] = STEP_XLA_OPTIONS,
+        xla_options: tuple[tuple[str, object], ...] | None = None,
     ):
+        """`xla_options`: XLA options of both step kinds; None: `step_xla_options` of each
+        kind's token count."""
         # Preemption lets the oldest sequence run alone, so one sequence must fit the pool.
         if config.pages_per_seq > config.num_pages:
             raise ValueError(
@@ -190,9 +204,14 @@ class Engine:
         self.implementation = implementation
         self.graphdef, self.params = nnx.split(model)
         self.param_leaves, treedef = jax.tree.flatten(self.params)
-        # The jitted step: step_fn(param_leaves, kv_pages, pool, inputs, *, decode, all_logits,
-        # implementation) -> (kv_pages, pool, StepOutputs), pages and pool donated.
-        self.step_fn = step_function(self.graphdef, treedef, tuple(xla_options))
+        self._step_fns = {
+            decode: step_function(
+                self.graphdef,
+                treedef,
+                step_xla_options(num_tokens) if xla_options is None else tuple(xla_options),
+            )
+            for decode, num_tokens in ((True, config.max_seqs), (False, config.max_tokens_per_step))
+        }
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(
@@ -201,6 +220,12 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.stats = Stats()
         self._next_id = 0
+
+    def step_fn(self, decode: bool):
+        """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
+        *, decode, all_logits, implementation) -> (kv_pages, pool, StepOutputs)`, pages and
+        pool donated."""
+        return self._step_fns[decode]
 
     def add_request(self, prompt: Seq[int], params: SamplingParams) -> Sequence:
         total = len(prompt) + params.max_new_tokens
@@ -224,7 +249,7 @@ class Engine:
         inputs = self._inputs(plan)
         start = time.perf_counter()
         with jaxpaged.quiet_triton_deprecation():
-            self.kv_pages, self.pool, out = self.step_fn(
+            self.kv_pages, self.pool, out = self.step_fn(plan.decode)(
                 self.param_leaves,
                 self.kv_pages,
                 self.pool,

@@ -27,7 +27,13 @@ import jaxpaged
 from models import generate
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
-from models.engine import Engine
+from models.engine import (
+    LARGE_STEP_XLA_OPTIONS,
+    SMALL_STEP_XLA_OPTIONS,
+    Engine,
+    step_function,
+    step_xla_options,
+)
 from models.induction import BOS, induction_decoder, induction_prompt
 from models.scheduler import Chunk, Plan, SamplingParams, Sequence
 
@@ -362,7 +368,7 @@ def test_failed_reservation_writes_nothing():
     newcomer = Sequence(99, _prompt(40, 1), 40, SamplingParams(4), slot=1)
     plan = Plan([Chunk(seq, seq.num_cached, 1), Chunk(newcomer, 0, 40)])
     before = jax.device_get((engine.kv_pages, engine.pool))
-    kv_pages, pool, out = engine.step_fn(
+    kv_pages, pool, out = engine.step_fn(False)(
         engine.param_leaves,
         engine.kv_pages,
         engine.pool,
@@ -423,7 +429,7 @@ def test_step_updates_pages_and_pool_in_place(backend, decode):
         engine.step()
         plan = engine.scheduler.schedule()
     assert plan.decode == decode and plan.chunks[0].seq is seq
-    step = engine.step_fn
+    step = engine.step_fn(decode)
     args = (engine.param_leaves, engine.kv_pages, engine.pool, engine._inputs(plan))
     options = dict(decode=decode, all_logits=False, implementation=backend)
     with jaxpaged.quiet_triton_deprecation():
@@ -462,3 +468,19 @@ def test_demo_prints_json(capsys):
     assert result["implementation"] == "xla" and result["tokens_match"] is True
     assert 0 <= result["max_abs_logit_diff"] <= F32_LOGIT_TOL
     assert result["prefill_tokens_per_s"] > 0 and result["decode_tokens_per_s"] > 0
+
+
+def test_small_steps_get_command_buffers_and_large_ones_do_not():
+    """The XLA options rule of `step_xla_options` (H200 runs 10-12, benchmarks/NOTES.md), and
+    the engine's two step kinds compiled by it: decode steps (max_seqs tokens) and mixed steps
+    (max_tokens_per_step) each by their own token count."""
+    assert step_xla_options(1) == step_xla_options(512) == SMALL_STEP_XLA_OPTIONS
+    assert step_xla_options(513) == step_xla_options(4096) == LARGE_STEP_XLA_OPTIONS
+    engine = _engine("xla")
+    treedef = jax.tree.structure(engine.params)
+    small = step_function(engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS)
+    large = step_function(engine.graphdef, treedef, LARGE_STEP_XLA_OPTIONS)
+    assert engine.step_fn(True) is small
+    assert engine.step_fn(False) is (small if engine.config.max_tokens_per_step <= 512 else large)
+    big = _engine("xla", max_tokens_per_step=600)
+    assert big.step_fn(False) is step_function(big.graphdef, treedef, LARGE_STEP_XLA_OPTIONS)
