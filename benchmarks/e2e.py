@@ -109,6 +109,25 @@ def _profiled(engine: Engine, prompts, params: SamplingParams) -> dict:
     )
 
 
+def _prefill_case(engine: Engine, prompts, kind: str, chunk: int, args) -> dict:
+    """Prefill of `prompts` (one token generated, so every step is a prefill step)."""
+    params = SamplingParams(max_new_tokens=1)
+    stats = _timed(engine, prompts, params)
+    case = dict(
+        kind=kind,
+        prompts=len(prompts),
+        tokens=args.prompt_len,
+        chunk="single-shot" if chunk == args.prompt_len else chunk,
+        steps=stats.steps,
+        tokens_per_s=stats.prefill_tokens_per_s,
+        wall_ms_per_step=1e3 * stats.prefill_time / stats.prefill_steps,
+        dispatch_ms_per_step=1e3 * stats.dispatch_time / stats.steps,
+    )
+    if args.profile:
+        case.update(_profiled(engine, prompts, params))
+    return case
+
+
 def _dense_layer(layer, x, k_cache, v_cache, positions, kv_lens, *, prefill: bool):
     """One decoder layer on x [B, T, hidden] with a contiguous cache [B, max_len, Hkv, D]."""
     attn = layer.attn
@@ -250,31 +269,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     cases = []
 
-    prompt = rng.integers(0, vocab, args.prompt_len)
+    prompt = rng.integers(0, vocab, args.prompt_len).tolist()
     max_len = args.prompt_len + 1
     for chunk in [args.prompt_len, *args.chunks]:
         engine = make(max_seqs=1, budget=chunk, max_len=max_len)
-        stats = _timed(engine, [prompt.tolist()], SamplingParams(max_new_tokens=1))
-        case = dict(
-            kind="prefill",
-            tokens=args.prompt_len,
-            chunk="single-shot" if chunk == args.prompt_len else chunk,
-            steps=stats.steps,
-            tokens_per_s=stats.prefill_tokens_per_s,
-            wall_ms_per_step=1e3 * stats.prefill_time / stats.prefill_steps,
-            dispatch_ms_per_step=1e3 * stats.dispatch_time / stats.steps,
-        )
+        case = _prefill_case(engine, [prompt], "prefill", chunk, args)
         if chunk == args.prompt_len and not args.no_baseline:
             [seq] = engine.generate(
-                [prompt.tolist()], SamplingParams(max_new_tokens=1), record_prompt_logits=True
+                [prompt], SamplingParams(max_new_tokens=1), record_prompt_logits=True
             )
-            seconds, logits, _, _ = _dense_prefill(model, prompt[None], max_len)
+            seconds, logits, _, _ = _dense_prefill(model, np.asarray(prompt)[None], max_len)
             case["baseline_tokens_per_s"] = args.prompt_len / seconds
             case["baseline_max_abs_logit_diff"] = float(
                 np.max(np.abs(logits[0] - seq.prompt_logits[-1]))
             )
-        if args.profile:
-            case.update(_profiled(engine, [prompt.tolist()], SamplingParams(max_new_tokens=1)))
         cases.append(case)
         print_table([case], list(case))
 
@@ -284,21 +292,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             engine = make(
                 max_seqs=args.batch_prompts, budget=args.prompt_len, max_len=max_len, chunk=chunk
             )
-            stats = _timed(engine, prompts, SamplingParams(max_new_tokens=1))
-            case = dict(
-                kind="batch_prefill",
-                prompts=args.batch_prompts,
-                tokens=args.prompt_len,
-                chunk="single-shot" if chunk == args.prompt_len else chunk,
-                steps=stats.steps,
-                tokens_per_s=stats.prefill_tokens_per_s,
-                wall_ms_per_step=1e3 * stats.prefill_time / stats.prefill_steps,
-                dispatch_ms_per_step=1e3 * stats.dispatch_time / stats.steps,
-            )
-            if args.profile:
-                case.update(_profiled(engine, prompts, SamplingParams(max_new_tokens=1)))
-            cases.append(case)
-            print_table([case], list(case))
+            cases.append(_prefill_case(engine, prompts, "batch_prefill", chunk, args))
+            print_table([cases[-1]], list(cases[-1]))
 
     for batch in args.batches:
         prompts = rng.integers(0, vocab, (batch, args.ctx))
