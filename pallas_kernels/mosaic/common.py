@@ -34,6 +34,17 @@ def preferred(enabled: bool, dtype, head_dim: int, page_size: int, block_kv: int
     )
 
 
+def check_pipeline(block_kv, num_stages) -> None:
+    """The K/V pipeline knobs every Mosaic config has: steps of `block_kv` keys (the N of
+    Q K^T, a multiple of 64 up to 256) and `num_stages` of them in shared memory."""
+    if not (isinstance(block_kv, int) and block_kv % 64 == 0):
+        raise ValueError(f"block_kv must be a multiple of 64; got {block_kv!r}")
+    if not 64 <= block_kv <= 256:
+        raise ValueError(f"block_kv must be in [64, 256] (wgmma N); got {block_kv}")
+    if not (isinstance(num_stages, int) and num_stages >= 1):
+        raise ValueError(f"num_stages must be an int >= 1; got {num_stages!r}")
+
+
 def check_inputs(name: str, dtype, head_dim: int, page_size: int, config, interpret: bool):
     """The checks every Mosaic kernel makes before tracing; `name` says which kernel."""
     if interpret:

@@ -45,7 +45,13 @@ from pallas_kernels.common import (
     poisoned,
     visible,
 )
-from pallas_kernels.mosaic.common import SMEM_LIMIT, check_inputs, check_smem, preferred
+from pallas_kernels.mosaic.common import (
+    SMEM_LIMIT,
+    check_inputs,
+    check_pipeline,
+    check_smem,
+    preferred,
+)
 
 _TILE_M = 64  # `wgmma` M: the rows of the score tile.
 _SWIZZLE = 128  # bytes; every supported D is a multiple of the 64 16-bit elements this spans.
@@ -82,12 +88,7 @@ class MosaicDecodeConfig:
     longest_first: bool = False
 
     def __post_init__(self):
-        if not (isinstance(self.block_kv, int) and self.block_kv % 64 == 0):
-            raise ValueError(f"block_kv must be a multiple of 64; got {self.block_kv!r}")
-        if not 64 <= self.block_kv <= 256:
-            raise ValueError(f"block_kv must be in [64, 256] (wgmma N); got {self.block_kv}")
-        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-            raise ValueError(f"num_stages must be an int >= 1; got {self.num_stages!r}")
+        check_pipeline(self.block_kv, self.num_stages)
 
 
 def default_config(head_dim: int) -> MosaicDecodeConfig:

@@ -45,7 +45,7 @@ from pallas_kernels.common import (
     sanitize_metadata,
     visible,
 )
-from pallas_kernels.mosaic.common import check_inputs, check_smem, preferred
+from pallas_kernels.mosaic.common import check_inputs, check_pipeline, check_smem, preferred
 from pallas_kernels.triton import ragged_prefill as triton_prefill
 
 _ROWS = 64  # rows per compute warpgroup: the `wgmma` M
@@ -77,12 +77,7 @@ class MosaicPrefillConfig:
     short_sequences: bool = True
 
     def __post_init__(self):
-        if not (isinstance(self.block_kv, int) and self.block_kv % 64 == 0):
-            raise ValueError(f"block_kv must be a multiple of 64; got {self.block_kv!r}")
-        if not 64 <= self.block_kv <= 256:
-            raise ValueError(f"block_kv must be in [64, 256] (wgmma N); got {self.block_kv}")
-        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-            raise ValueError(f"num_stages must be an int >= 1; got {self.num_stages!r}")
+        check_pipeline(self.block_kv, self.num_stages)
 
 
 def default_config(head_dim: int) -> MosaicPrefillConfig:
