@@ -43,7 +43,7 @@ import jaxpaged
 from benchmarks.common import print_table, write_results
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
-from models.engine import Engine, Stats, step_xla_options
+from models.engine import Engine, Stats, compiler_options, step_xla_options
 from models.scheduler import SamplingParams
 
 
@@ -181,9 +181,7 @@ def _dense_step_fn(graphdef, num_tokens: int):
         functools.partial(_dense_step, graphdef),
         static_argnames="prefill",
         donate_argnames="caches",
-        compiler_options=(
-            dict(step_xla_options(num_tokens)) if jax.default_backend() == "gpu" else None
-        ),
+        compiler_options=compiler_options(step_xla_options(num_tokens)),
     )
 
 

@@ -147,12 +147,14 @@ def step_function(
         step,
         static_argnames=("decode", "all_logits", "implementation"),
         donate_argnames=("kv_pages", "pool"),
-        compiler_options=dict(xla_options) if _on_gpu() else None,
+        compiler_options=compiler_options(xla_options),
     )
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+def compiler_options(xla_options: tuple[tuple[str, object], ...]) -> dict | None:
+    """`xla_options` as `jax.jit`'s `compiler_options`: they are GPU options, so None
+    elsewhere."""
+    return dict(xla_options) if jax.default_backend() == "gpu" else None
 
 
 @dataclasses.dataclass
