@@ -37,6 +37,21 @@ def kernel_time_ms(fn: Callable, *args, iterations: int = 20) -> float:
         return step_time_ms(fn, *args, iterations=iterations)
 
 
+def kernel_breakdown_ms(fn: Callable, *args, iterations: int = 20) -> list[tuple[str, float]]:
+    """Every kernel of one call of `fn(*args)` with its median CUPTI time in ms, in launch
+    order (GPU only)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    fn = jax.jit(fn)
+    jax.block_until_ready(fn(*args))
+    _, per_call = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+    names = [name for name, _ in per_call[0]]
+    return [
+        (name, float(statistics.median(call[i][1] for call in per_call)))
+        for i, name in enumerate(names)
+    ]
+
+
 def error_text(e: BaseException) -> str:
     """A failure as one line for a results record (exceptions may carry no message)."""
     lines = str(e).strip().splitlines()

@@ -20,7 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import error_text, kernel_time_ms, print_table, write_results
+from benchmarks.common import (
+    error_text,
+    kernel_breakdown_ms,
+    kernel_time_ms,
+    print_table,
+    write_results,
+)
 from pallas_kernels.common import H200_NUM_SMS
 from pallas_kernels.mosaic import paged_decode as mosaic
 
@@ -48,6 +54,8 @@ _CONFIG = mosaic.MosaicDecodeConfig
 # configs small enough for two programs per SM, and the longest-first order.
 VARIANTS = [
     ("mosaic default", None, "rule"),
+    ("mosaic stages=3", _CONFIG(num_stages=3), "rule"),
+    ("mosaic default, 2x splits", None, 2),
     ("mosaic default, longest first", _CONFIG(longest_first=True), "rule"),
     ("mosaic block_kv=64 stages=2", _CONFIG(block_kv=64, num_stages=2), "rule"),
     ("mosaic block_kv=64 stages=3", _CONFIG(block_kv=64, num_stages=3), "rule"),
@@ -159,9 +167,11 @@ def triton_fn():
     return fn
 
 
-def run(iterations: int) -> list[dict]:
+def run(iterations: int, cases=None, breakdown: bool = False) -> list[dict]:
     rows = []
     for name, batch, context, page_size in CASES:
+        if cases and name not in cases:
+            continue
         inputs = make_inputs(batch, context, page_size)
         nbytes = kv_bytes(inputs[3])
         max_len = inputs[4].shape[1] * page_size
@@ -176,6 +186,8 @@ def run(iterations: int) -> list[dict]:
             try:
                 ms = kernel_time_ms(make(), *inputs, iterations=iterations)
                 row.update(ms=ms, tb_s=nbytes / (ms * 1e-3) / 1e12)
+                if breakdown:
+                    row["kernels"] = kernel_breakdown_ms(make(), *inputs, iterations=iterations)
             except Exception as e:  # noqa: BLE001 - record and go on to the next kernel
                 row["error"] = error_text(e)
             case_rows.append(row)
@@ -197,8 +209,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/mosaic_decode.json")
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also record every kernel's median time"
+    )
     args = parser.parse_args()
-    rows = run(args.iterations)
+    rows = run(args.iterations, args.cases, args.breakdown)
+    for row in rows:
+        for kernel, ms in row.get("kernels", []):
+            print(f"  {row['case']:20} {row['kernel']:40} {ms * 1e3:8.2f} us  {kernel[:60]}")
     write_results(args.out, "mosaic_decode", rows)
     print_table(rows, ["case", "kernel", "splits", "ms", "tb_s", "vs_cudnn", "goal_tb_s", "error"])
 
