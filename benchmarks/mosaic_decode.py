@@ -14,7 +14,11 @@ ratio of cuDNN's time to ours in this run. A failing row records its error and t
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import glob
 import importlib
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -54,21 +58,16 @@ _CONFIG = mosaic.MosaicDecodeConfig
 # configs small enough for two programs per SM, and the longest-first order.
 VARIANTS = [
     ("mosaic default", None, "rule"),
-    ("mosaic stages=3", _CONFIG(num_stages=3), "rule"),
+    ("mosaic page ids not carried", _CONFIG(carry_page_ids=False), "rule"),
+    ("mosaic XLA merge", _CONFIG(merge_kernel=False), "rule"),
+    (
+        "mosaic XLA merge, ids not carried",
+        _CONFIG(merge_kernel=False, carry_page_ids=False),
+        "rule",
+    ),
     ("mosaic default, 2x splits", None, 2),
-    ("mosaic default, longest first", _CONFIG(longest_first=True), "rule"),
-    ("mosaic block_kv=64 stages=2", _CONFIG(block_kv=64, num_stages=2), "rule"),
-    ("mosaic block_kv=64 stages=3", _CONFIG(block_kv=64, num_stages=3), "rule"),
-    (
-        "mosaic block_kv=64 stages=2, longest first",
-        _CONFIG(block_kv=64, num_stages=2, longest_first=True),
-        "rule",
-    ),
-    (
-        "mosaic block_kv=64 stages=3, longest first",
-        _CONFIG(block_kv=64, num_stages=3, longest_first=True),
-        "rule",
-    ),
+    ("mosaic default, 2x splits, longest first", _CONFIG(longest_first=True), 2),
+    ("mosaic default, 4x splits", None, 4),
 ]
 
 
@@ -146,8 +145,9 @@ def cudnn_fn():
     return fn
 
 
-def triton_fn():
+def triton_fn(**config):
     module = importlib.import_module("pallas_kernels.triton.paged_decode")
+    head_config = module.DecodeConfig.default(HEAD_DIM, DTYPE)
 
     def fn(q, k_pages, v_pages, kv_lens, table):
         return module.paged_decode_attention(
@@ -160,7 +160,7 @@ def triton_fn():
             sm_scale=HEAD_DIM**-0.5,
             sliding_window=None,
             logits_soft_cap=None,
-            config=None,
+            config=dataclasses.replace(head_config, **config),
             interpret=False,
         )
 
@@ -179,7 +179,11 @@ def run(iterations: int, cases=None, breakdown: bool = False) -> list[dict]:
         for label, config, how in VARIANTS:
             splits = mosaic_splits(config, how, batch, max_len)
             kernels.append((label, splits, lambda c=config, n=splits: mosaic_fn(c, n)))
-        kernels += [("cudnn paged", None, cudnn_fn), ("triton", None, triton_fn)]
+        kernels += [
+            ("cudnn paged", None, cudnn_fn),
+            ("triton", None, triton_fn),
+            ("triton XLA merge", None, lambda: triton_fn(merge_kernel=False)),
+        ]
         case_rows = []
         for label, splits, make in kernels:
             row = dict(case=name, kernel=label, kv_bytes=nbytes, splits=splits)
@@ -205,6 +209,113 @@ def run(iterations: int, cases=None, breakdown: bool = False) -> list[dict]:
     return rows
 
 
+def profile(cases, out_dir: str) -> list[dict]:
+    """One call of the default Mosaic kernel per case with Mosaic GPU's in-kernel profiler on,
+    summarized per program: when its first K/V step landed, how long its steps and its output
+    write took, and the gap to the next program on the same SM."""
+    rows = []
+    for name, batch, context, page_size in CASES:
+        if cases and name not in cases:
+            continue
+        inputs = make_inputs(batch, context, page_size)
+        trace_dir = os.path.join(out_dir, name)
+        os.makedirs(trace_dir, exist_ok=True)
+        splits = mosaic_splits(None, "rule", batch, inputs[4].shape[1] * page_size)
+
+        def fn(*args, trace_dir=trace_dir, splits=splits):
+            return mosaic.paged_decode_attention(
+                *args,
+                num_splits=splits,
+                sm_scale=HEAD_DIM**-0.5,
+                profile_dir=trace_dir,
+            )
+
+        try:
+            f = jax.jit(fn)
+            for _ in range(3):
+                jax.block_until_ready(f(*inputs))
+            jax.effects_barrier()
+            trace = sorted(glob.glob(os.path.join(trace_dir, "*.json")))[-1]
+            rows.append(dict(case=name, splits=splits, **summarize_trace(trace)))
+        except Exception as e:  # noqa: BLE001 - record and go on
+            rows.append(dict(case=name, error=error_text(e)))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def summarize_trace(path: str, clock_ghz: float = 1.98) -> dict:
+    """Per-program phases (µs) from one Mosaic GPU profiler trace of the decode kernel.
+
+    The profiler stamps a program's first event with the global timer (ns) and later events
+    with the SM clock (cycles since that event), so durations inside a program are divided by
+    the SM clock (`clock_ghz`, the H200's boost clock by default) to give µs.
+    """
+    events = json.load(open(path))["traceEvents"]
+    by_tid: dict = {}
+    for e in events:
+        by_tid.setdefault(e["tid"], []).append(e)
+    programs = []
+    for evs in by_tid.values():
+        if "compute" not in {e["name"] for e in evs}:
+            continue
+        origin = evs[0]["ts"]  # global timer, µs
+        begin: dict = {}
+        spans: dict = {}
+        for e in evs:
+            t = (e["ts"] - origin) / clock_ghz  # µs since the program's first event
+            if e["ph"] == "B":
+                begin.setdefault(e["name"], []).append(t)
+            else:
+                spans.setdefault(e["name"], []).append((begin[e["name"]].pop(), t))
+        start, end = spans["compute"][0]
+        waits = spans.get("wait_k", [])
+        epi = spans.get("epilogue", [(end, end)])[0]
+        programs.append(
+            dict(
+                sm=evs[0]["pid"],
+                start=origin + start,
+                end=origin + end,
+                first=waits[0][1] - start if waits else 0.0,
+                epilogue=epi[1] - epi[0],
+                wait_k=sum(b - a for a, b in waits),
+            )
+        )
+    programs.sort(key=lambda p: (p["sm"], p["start"]))
+    pairs = zip(programs, programs[1:], strict=False)
+    gaps = [b["start"] - a["end"] for a, b in pairs if a["sm"] == b["sm"]]
+    t0 = min(p["start"] for p in programs)
+    t1 = max(p["end"] for p in programs)
+    last_end_per_sm: dict = {}
+    for p in programs:
+        last_end_per_sm[p["sm"]] = max(last_end_per_sm.get(p["sm"], 0), p["end"])
+
+    def stats(xs):
+        xs = sorted(xs)
+        if not xs:
+            return None
+        return dict(
+            mean=round(float(np.mean(xs)), 3),
+            p50=round(xs[len(xs) // 2], 3),
+            max=round(xs[-1], 3),
+            min=round(xs[0], 3),
+        )
+
+    return dict(
+        programs=len(programs),
+        sms=len(last_end_per_sm),
+        span_us=round(t1 - t0, 3),
+        first_start_spread_us=round(
+            max(p["start"] for p in programs if p["start"] - t0 < 5) - t0, 3
+        ),
+        first_data_us=stats([p["first"] for p in programs]),
+        epilogue_us=stats([p["epilogue"] for p in programs]),
+        wait_k_total_us=stats([p["wait_k"] for p in programs]),
+        program_us=stats([p["end"] - p["start"] for p in programs]),
+        gap_same_sm_us=stats(gaps),
+        sm_idle_at_end_us=stats([t1 - e for e in last_end_per_sm.values()]),
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/mosaic_decode.json")
@@ -213,7 +324,11 @@ def main():
     parser.add_argument(
         "--breakdown", action="store_true", help="also record every kernel's median time"
     )
+    parser.add_argument("--profile-dir", help="only profile the default kernel, traces here")
     args = parser.parse_args()
+    if args.profile_dir:
+        write_results(args.out, "mosaic_decode_profile", profile(args.cases, args.profile_dir))
+        return
     rows = run(args.iterations, args.cases, args.breakdown)
     for row in rows:
         for kernel, ms in row.get("kernels", []):

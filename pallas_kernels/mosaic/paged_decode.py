@@ -52,6 +52,7 @@ from pallas_kernels.mosaic.common import (
     check_smem,
     preferred,
 )
+from pallas_kernels.triton.merge import merge_partials
 
 _TILE_M = 64  # `wgmma` M: the rows of the score tile.
 _SWIZZLE = 128  # bytes; every supported D is a multiple of the 64 16-bit elements this spans.
@@ -81,11 +82,19 @@ class MosaicDecodeConfig:
       longest_first: run the sequences in order of decreasing length (an XLA argsort of
         `kv_lens` per call), so that in a ragged batch the last programs to start are the
         short ones and no SM is left with a long program at the end.
+      carry_page_ids: the copy warpgroup loads a step's page ids one step ahead (the first
+        step's before the sequence's length is known, clamped to the page-table row), so no
+        TMA copy waits on a page-table load; False: each step looks its ids up just before
+        its copies.
+      merge_kernel: merge the splits in one Pallas kernel (`pallas_kernels.triton.merge`);
+        False: in XLA (`pallas_kernels.common.merge_partial_states`, several small kernels).
     """
 
     block_kv: int = 128
     num_stages: int = 2
     longest_first: bool = False
+    carry_page_ids: bool = True
+    merge_kernel: bool = True
 
     def __post_init__(self):
         check_pipeline(self.block_kv, self.num_stages)
@@ -153,6 +162,7 @@ def paged_decode_attention(
     logits_soft_cap: float | None = None,
     config: MosaicDecodeConfig | None = None,
     interpret: bool = False,
+    profile_dir: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Split-KV decode over paged KV with TMA page copies and `wgmma` (Hopper only).
 
@@ -166,6 +176,8 @@ def paged_decode_attention(
       sm_scale, sliding_window, logits_soft_cap: as `jaxpaged.paged_decode_attention`.
       config: `MosaicDecodeConfig`; None: `default_config(D)`.
       interpret: must be False: Mosaic GPU's interpreter cannot run `wgmma` (jax 0.11.2).
+      profile_dir: diagnostics only: every call writes a trace of each program's named
+        regions (Mosaic GPU's in-kernel profiler) as JSON into this directory.
 
     Returns:
       `out` [S, Hq, D] in q's dtype and `lse` f32[S, Hq] (natural log); inactive slots give 0
@@ -240,7 +252,9 @@ def paged_decode_attention(
         num_threads=2,
         thread_name="wg",
         # tanh.approx is too coarse for the soft-capped logits' LSE tolerance.
-        compiler_params=plgpu.CompilerParams(approx_math=logits_soft_cap is None),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=logits_soft_cap is None, **_profile_params(profile_dir)
+        ),
     )
     inputs = (q, k_pages, v_pages, kv_lens, page_indices)
     if config.longest_first:  # the program for the i-th slot runs slot order[i]
@@ -255,8 +269,17 @@ def paged_decode_attention(
         out, lse = plgpu.kernel(body, out_type=out_types, **kernel_kwargs)(*inputs)
     if num_splits == 1:
         return out, lse
+    if config.merge_kernel:
+        return merge_partials(out, lse, out_dtype=q.dtype)
     out, lse = merge_partial_states(out, lse, axis=1)
     return out.astype(q.dtype), lse
+
+
+def _profile_params(profile_dir: str | None) -> dict:
+    """CompilerParams that turn on Mosaic GPU's in-kernel profiler (diagnostics)."""
+    if profile_dir is None:
+        return {}
+    return dict(profile_space=256, profile_dir=profile_dir, profile_bounds_check=True)
 
 
 def _max_steps(max_kv_len: int, sliding_window: int | None, block_kv: int) -> int:
@@ -334,26 +357,81 @@ def _make_body(
         wg = lax.axis_index("wg")
 
         @pl.when(wg == 1)
+        @jax.named_scope("copy")
         def _copy_pages():
             # Table entries past the last page are garbage: reload the last page instead
             # (an L2 hit); its rows are masked like every row past kv_len.
             last_page = (jnp.maximum(kv_len, 1) - 1) // page_size
 
-            @pl.loop(0, num_steps)
-            def _step(i):
+            def fill(i, pages):
                 slot = lax.rem(i, stages)
-                first_page = (step0 + i) * pages_per_step
-                pages = [
-                    jnp.clip(
-                        table_ref[seq, jnp.minimum(first_page + j, last_page)], 0, num_pages - 1
-                    )
-                    for j in range(pages_per_step)
-                ]
+                pages = [jnp.clip(page, 0, num_pages - 1) for page in pages]
                 # K first: its stage is released before V's (after Q K^T, not P V).
                 fill_stage(k_ref, k_smem, k_ready, k_free, i, slot, pages)
                 fill_stage(v_ref, v_smem, v_ready, v_free, i, slot, pages)
 
+            if not config.carry_page_ids:
+
+                @pl.loop(0, num_steps)
+                def _step(i):
+                    first_page = (step0 + i) * pages_per_step
+                    fill(
+                        i,
+                        [
+                            table_ref[seq, jnp.minimum(first_page + j, last_page)]
+                            for j in range(pages_per_step)
+                        ],
+                    )
+
+                return
+
+            def load_ids(step):
+                """The page-table entries of `step`, loaded without waiting for kv_len: the
+                index is clamped to the row, and `usable` later swaps entries past the last
+                page for the step's first page (one the step needs)."""
+                first_page = step * pages_per_step
+                return [
+                    table_ref[seq, jnp.minimum(first_page + j, pages_per_seq - 1)]
+                    for j in range(pages_per_step)
+                ]
+
+            def usable(step, ids):
+                first_page = step * pages_per_step
+                return [
+                    jnp.where(first_page + j <= last_page, page, ids[0])
+                    for j, page in enumerate(ids)
+                ]
+
+            def step(i, ids):
+                upcoming = load_ids(step0 + i + 1)  # in flight while this step's copies go
+                fill(i, usable(step0 + i, ids))
+                return tuple(upcoming)
+
+            lax.fori_loop(0, num_steps, step, tuple(load_ids(step0)))
+
+        @jax.named_scope("epilogue")
+        def _write_output(acc, m, l):
+            out, lse = finalize(acc, m, l)
+            o_smem[...] = out.astype(o_smem.dtype)
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+            # The group sits at rows [tile_row, tile_row + group) of the tile (`_q_tile_start`);
+            # only those rows are written, at the group's heads of the final layout.
+            tile_row = kv_head * group % 8
+            heads = pl.ds(kv_head * group, group)
+            out_dst, lse_dst = (
+                (out_ref, lse_ref)
+                if num_splits == 1
+                else (out_ref.at[:, split], lse_ref.at[:, split])
+            )
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(tile_row, group)], out_dst.at[seq, heads])
+            # A TMA box needs 16-byte rows, more than a small group's LSEs: plain stores.
+            for r in range(group):
+                lse_dst[seq, kv_head * group + r] = lse_smem[tile_row + r]
+            plgpu.wait_smem_to_gmem(0)
+
         @pl.when(wg == 0)
+        @jax.named_scope("compute")
         def _compute():
             plgpu.copy_gmem_to_smem(
                 q_ref.at[seq, pl.ds(_q_tile_start(kv_head, group), q_rows)],
@@ -365,13 +443,15 @@ def _make_body(
             row = plgpu.Layout.WGMMA.reduce(1)
             m = plgpu.layout_cast(jnp.full((_TILE_M,), -jnp.inf, jnp.float32), row)
             l = plgpu.layout_cast(jnp.zeros((_TILE_M,), jnp.float32), row)
-            plgpu.barrier_wait(q_barrier)
+            with jax.named_scope("wait_q"):
+                plgpu.barrier_wait(q_barrier)
 
             def step(i, carry):
                 acc, m, l = carry
                 slot = lax.rem(i, stages)
                 start = (step0 + i) * block_kv
-                plgpu.barrier_wait(k_ready.at[slot])
+                with jax.named_scope("wait_k"):
+                    plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -416,25 +496,9 @@ def _make_body(
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m, l
 
-            acc, m, l = lax.fori_loop(0, num_steps, step, (acc, m, l))
-            out, lse = finalize(acc, m, l)
-            o_smem[...] = out.astype(o_smem.dtype)
-            lse_smem[...] = lse
-            plgpu.commit_smem()
-            # The group sits at rows [tile_row, tile_row + group) of the tile (`_q_tile_start`);
-            # only those rows are written, at the group's heads of the final layout.
-            tile_row = kv_head * group % 8
-            heads = pl.ds(kv_head * group, group)
-            out_dst, lse_dst = (
-                (out_ref, lse_ref)
-                if num_splits == 1
-                else (out_ref.at[:, split], lse_ref.at[:, split])
-            )
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(tile_row, group)], out_dst.at[seq, heads])
-            # A TMA box needs 16-byte rows, more than a small group's LSEs: plain stores.
-            for r in range(group):
-                lse_dst[seq, kv_head * group + r] = lse_smem[tile_row + r]
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("steps"):
+                acc, m, l = lax.fori_loop(0, num_steps, step, (acc, m, l))
+            _write_output(acc, m, l)
 
     return body
 

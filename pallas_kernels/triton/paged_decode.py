@@ -4,7 +4,7 @@ One query token per sequence slot attends to that sequence's paged KV. One progr
 sequence, split) streams one fixed chunk of the sequence's visible keys through the page table,
 with all query heads of the KV head's group as the rows of one tile, so that each K and V tile
 is read once. A split past the sequence's end loops zero times. The partial outputs and their
-LSEs are merged by XLA (`pallas_kernels.common.merge_partial_states`).
+LSEs are merged by one more Pallas kernel (`pallas_kernels.triton.merge`).
 
 Semantics are `jaxpaged.reference.ragged_paged_attention_reference` with one token per sequence.
 """
@@ -32,6 +32,7 @@ from pallas_kernels.common import (
     poisoned,
     visible,
 )
+from pallas_kernels.triton.merge import merge_partials
 
 # `tl.dot` needs at least 16 rows: a group of fewer query heads is padded (and masked) to this.
 _MIN_DOT_ROWS = 16
@@ -56,11 +57,14 @@ class DecodeConfig:
         before its K and V loads, so K and V get a second buffer (the next tile's loads
         overlapping this tile's math) only from 5 stages on (Triton 3.6 for sm_90); with fewer,
         the programs resident on an SM (about 4 at the defaults) keep the loads in flight.
+      merge_kernel: merge the splits in one Pallas kernel (`pallas_kernels.triton.merge`);
+        False: in XLA (`pallas_kernels.common.merge_partial_states`, several small kernels).
     """
 
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    merge_kernel: bool = True
 
     def __post_init__(self):
         if self.block_kv < 16 or self.block_kv & (self.block_kv - 1):
@@ -359,5 +363,14 @@ def _paged_decode(
     lses = lses.reshape(num_splits, num_seq_slots, num_q_heads)
     if num_splits == 1:
         return outs[0], lses[0]
+    if config.merge_kernel:
+        rows = num_seq_slots * num_q_heads
+        out, lse = merge_partials(
+            outs.reshape(1, num_splits, rows, head_dim),
+            lses.reshape(1, num_splits, rows),
+            out_dtype=q.dtype,
+            interpret=interpret,
+        )
+        return out.reshape(q.shape), lse.reshape(num_seq_slots, num_q_heads)
     out, lse = merge_partial_states(outs, lses)
     return out.astype(q.dtype), lse

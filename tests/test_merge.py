@@ -1,0 +1,75 @@
+"""The split-KV merge kernel (pallas_kernels/triton/merge.py), in interpret mode on CPU and
+compiled on a GPU (`-m gpu`), against a float64 merge in numpy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.common import poison_outputs
+from pallas_kernels.triton.merge import merge_partials
+
+# Output tolerance per dtype: the merge itself is float32 (relative error ~1e-6); the output's
+# rounding to bfloat16 / float16 is half an ulp (2^-9 / 2^-12 relative) of values up to ~3.
+ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
+
+
+def _oracle(outs, lses):
+    outs, lses = np.asarray(outs, np.float64), np.asarray(lses, np.float64)
+    m = lses.max(axis=1, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)
+    w = np.exp(lses - m)  # [X, S, Y]
+    denom = w.sum(axis=1)
+    weighted = np.where(w[..., None] > 0, w[..., None] * np.nan_to_num(outs), 0.0).sum(axis=1)
+    empty = denom == 0
+    out = weighted / np.where(empty, 1.0, denom)[..., None]
+    lse = np.where(empty, -np.inf, m[:, 0] + np.log(np.where(empty, 1.0, denom)))
+    return out, lse
+
+
+def _partials(num_x, num_splits, num_y, head_dim, seed):
+    k_out, k_lse = jax.random.split(jax.random.key(seed))
+    outs = jax.random.normal(k_out, (num_x, num_splits, num_y, head_dim), jnp.float32)
+    lses = 4.0 * jax.random.normal(k_lse, (num_x, num_splits, num_y), jnp.float32)
+    # Empty partials (LSE -inf) hold NaN outputs, which must not reach the result; row (0, 1)
+    # is empty in every split.
+    lses = lses.at[:, 0, ::2].set(-jnp.inf).at[0, :, 1].set(-jnp.inf)
+    outs = jnp.where(jnp.isneginf(lses)[..., None], jnp.nan, outs)
+    return outs, lses
+
+
+def _check(outs, lses, dtype, interpret):
+    with poison_outputs():
+        out, lse = merge_partials(outs, lses, out_dtype=dtype, interpret=interpret)
+    want_out, want_lse = _oracle(outs, lses)
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    np.testing.assert_allclose(out, want_out, atol=ATOL[dtype], rtol=0)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=1e-5, rtol=1e-6)
+    assert (out[np.isneginf(want_lse)] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=str)
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+def test_merge_interpret(num_splits, dtype):
+    outs, lses = _partials(2, num_splits, 6, 64, seed=num_splits)
+    _check(outs, lses, dtype, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 16, 32, 128), (64, 2, 32, 128), (3, 33, 8, 256), (1, 7, 5, 64)]
+)
+def test_merge_gpu(shape, dtype):
+    outs, lses = _partials(*shape, seed=sum(shape))
+    _check(outs, lses, dtype, interpret=False)
+
+
+def test_lses_shape_is_checked():
+    outs = jnp.ones((1, 2, 3, 64), jnp.float32)
+    with pytest.raises(ValueError, match="lses must be"):
+        merge_partials(outs, jnp.ones((1, 3, 2), jnp.float32), out_dtype=jnp.bfloat16)
