@@ -306,6 +306,9 @@ def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_sof
         num_full = full_hi - full_lo
         num_lead = full_lo - tile_lo
         num_steps = num_full + num_lead + (tile_hi - full_hi)
+        # Blocks past the batch's last (the grid is sized for the worst batch) have no tokens
+        # and no tiles: their programs skip everything, instead of each waiting on a Q copy.
+        has_tokens = num_tokens > 0
 
         def tile_of(i):
             edge = i - num_full
@@ -361,7 +364,7 @@ def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_sof
         shift = lax.rem(first_token, _ALIGN)
         row0_token = first_token - shift
 
-        @pl.when(wg < _COMPUTE_WGS)
+        @pl.when((wg < _COMPUTE_WGS) & has_tokens)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             row0 = wg * _ROWS  # this warpgroup's first row in the block
