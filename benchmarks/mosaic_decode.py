@@ -58,16 +58,8 @@ _CONFIG = mosaic.MosaicDecodeConfig
 # configs small enough for two programs per SM, and the longest-first order.
 VARIANTS = [
     ("mosaic default", None, "rule"),
-    ("mosaic page ids not carried", _CONFIG(carry_page_ids=False), "rule"),
     ("mosaic XLA merge", _CONFIG(merge_kernel=False), "rule"),
-    (
-        "mosaic XLA merge, ids not carried",
-        _CONFIG(merge_kernel=False, carry_page_ids=False),
-        "rule",
-    ),
     ("mosaic default, 2x splits", None, 2),
-    ("mosaic default, 2x splits, longest first", _CONFIG(longest_first=True), 2),
-    ("mosaic default, 4x splits", None, 4),
 ]
 
 
@@ -278,6 +270,7 @@ def summarize_trace(path: str, clock_ghz: float = 1.98) -> dict:
                 first=waits[0][1] - start if waits else 0.0,
                 epilogue=epi[1] - epi[0],
                 wait_k=sum(b - a for a, b in waits),
+                wait_v=sum(b - a for a, b in spans.get("wait_v", [])),
             )
         )
     programs.sort(key=lambda p: (p["sm"], p["start"]))
@@ -310,6 +303,7 @@ def summarize_trace(path: str, clock_ghz: float = 1.98) -> dict:
         first_data_us=stats([p["first"] for p in programs]),
         epilogue_us=stats([p["epilogue"] for p in programs]),
         wait_k_total_us=stats([p["wait_k"] for p in programs]),
+        wait_v_total_us=stats([p["wait_v"] for p in programs]),
         program_us=stats([p["end"] - p["start"] for p in programs]),
         gap_same_sm_us=stats(gaps),
         sm_idle_at_end_us=stats([t1 - e for e in last_end_per_sm.values()]),

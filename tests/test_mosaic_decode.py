@@ -73,7 +73,6 @@ LOWERING_FEATURES = [
     dict(config=mosaic.MosaicDecodeConfig(block_kv=256, num_stages=1), num_splits=2),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4), num_splits=40),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, longest_first=True)),
-    dict(config=mosaic.MosaicDecodeConfig(carry_page_ids=False), num_splits=3),
     dict(config=mosaic.MosaicDecodeConfig(merge_kernel=False), num_splits=3),
 ]
 
@@ -258,8 +257,6 @@ FEATURES = [
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4), num_splits=40),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, longest_first=True)),
     dict(config=mosaic.MosaicDecodeConfig(longest_first=True), num_splits=3),
-    dict(config=mosaic.MosaicDecodeConfig(carry_page_ids=False), num_splits=3),
-    dict(config=mosaic.MosaicDecodeConfig(carry_page_ids=False, block_kv=64), num_splits=1),
     dict(config=mosaic.MosaicDecodeConfig(merge_kernel=False), num_splits=5),
 ]
 

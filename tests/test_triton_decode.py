@@ -144,7 +144,8 @@ def _lower(
     lower_for_cuda(
         lambda *a: paged_decode.paged_decode_attention(*a, **kw), q, pages, pages, kv_lens, table
     )
-    [module] = triton_modules
+    # With several splits a second module merges them (pallas_kernels/triton/merge.py).
+    [module] = [m for m in triton_modules if "merge_split_kv" not in m]
     return module
 
 

@@ -82,10 +82,6 @@ class MosaicDecodeConfig:
       longest_first: run the sequences in order of decreasing length (an XLA argsort of
         `kv_lens` per call), so that in a ragged batch the last programs to start are the
         short ones and no SM is left with a long program at the end.
-      carry_page_ids: the copy warpgroup loads a step's page ids one step ahead (the first
-        step's before the sequence's length is known, clamped to the page-table row), so no
-        TMA copy waits on a page-table load; False: each step looks its ids up just before
-        its copies.
       merge_kernel: merge the splits in one Pallas kernel (`pallas_kernels.triton.merge`);
         False: in XLA (`pallas_kernels.common.merge_partial_states`, several small kernels).
     """
@@ -93,7 +89,6 @@ class MosaicDecodeConfig:
     block_kv: int = 128
     num_stages: int = 2
     longest_first: bool = False
-    carry_page_ids: bool = True
     merge_kernel: bool = True
 
     def __post_init__(self):
@@ -363,51 +358,19 @@ def _make_body(
             # (an L2 hit); its rows are masked like every row past kv_len.
             last_page = (jnp.maximum(kv_len, 1) - 1) // page_size
 
-            def fill(i, pages):
+            @pl.loop(0, num_steps)
+            def _step(i):
                 slot = lax.rem(i, stages)
-                pages = [jnp.clip(page, 0, num_pages - 1) for page in pages]
+                first_page = (step0 + i) * pages_per_step
+                pages = [
+                    jnp.clip(
+                        table_ref[seq, jnp.minimum(first_page + j, last_page)], 0, num_pages - 1
+                    )
+                    for j in range(pages_per_step)
+                ]
                 # K first: its stage is released before V's (after Q K^T, not P V).
                 fill_stage(k_ref, k_smem, k_ready, k_free, i, slot, pages)
                 fill_stage(v_ref, v_smem, v_ready, v_free, i, slot, pages)
-
-            if not config.carry_page_ids:
-
-                @pl.loop(0, num_steps)
-                def _step(i):
-                    first_page = (step0 + i) * pages_per_step
-                    fill(
-                        i,
-                        [
-                            table_ref[seq, jnp.minimum(first_page + j, last_page)]
-                            for j in range(pages_per_step)
-                        ],
-                    )
-
-                return
-
-            def load_ids(step):
-                """The page-table entries of `step`, loaded without waiting for kv_len: the
-                index is clamped to the row, and `usable` later swaps entries past the last
-                page for the step's first page (one the step needs)."""
-                first_page = step * pages_per_step
-                return [
-                    table_ref[seq, jnp.minimum(first_page + j, pages_per_seq - 1)]
-                    for j in range(pages_per_step)
-                ]
-
-            def usable(step, ids):
-                first_page = step * pages_per_step
-                return [
-                    jnp.where(first_page + j <= last_page, page, ids[0])
-                    for j, page in enumerate(ids)
-                ]
-
-            def step(i, ids):
-                upcoming = load_ids(step0 + i + 1)  # in flight while this step's copies go
-                fill(i, usable(step0 + i, ids))
-                return tuple(upcoming)
-
-            lax.fori_loop(0, num_steps, step, tuple(load_ids(step0)))
 
         @jax.named_scope("epilogue")
         def _write_output(acc, m, l):
@@ -467,7 +430,8 @@ def _make_body(
                 logits2 = jnp.where(ok, logits_base2(s, sm_scale, logits_soft_cap), -jnp.inf)
                 m, l, alpha, p = online_softmax_step(m, l, logits2)
                 acc = acc * alpha[:, None]
-                plgpu.barrier_wait(v_ready.at[slot])
+                with jax.named_scope("wait_v"):
+                    plgpu.barrier_wait(v_ready.at[slot])
 
                 has_invisible = start + block_kv > kv_len
                 if sliding_window is not None:

@@ -4,6 +4,8 @@ XLA compiles `pallas_kernels.common.merge_partial_states` into three to five sma
 about 1 µs each (H200 run 14): at B=1 and a 32k context that is 3.3 µs next to a 35.7 µs
 attention kernel. This kernel does the same arithmetic in one launch: one program per output
 row (a query head of a sequence) reads that row's partial outputs and LSEs of every split.
+The two loads are independent: run 15 measured 2.3 µs at B=1 with the output load waiting
+for the LSEs (it was masked by them).
 """
 
 from __future__ import annotations
@@ -67,14 +69,14 @@ def _merge_kernel(outs_ref, lses_ref, *refs):
     split = jnp.arange(pl.next_power_of_2(num_splits), dtype=jnp.int32)
     real = split < num_splits
     dim = jnp.arange(head_dim, dtype=jnp.int32)
+    # Both loads at once (one memory latency, not two); an empty partial's row may hold NaN,
+    # so it is replaced after the load rather than skipped by it.
     lse = plgpu.load(lses_ref.at[x, split, y], mask=real, other=-jnp.inf)
+    outs = plgpu.load(outs_ref.at[x, split[:, None], y, dim[None, :]], mask=real[:, None])
     m = jnp.max(lse)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.exp(lse - m_safe)  # 0 for empty and padded splits
-    used = w > 0
-    outs = plgpu.load(
-        outs_ref.at[x, split[:, None], y, dim[None, :]], mask=used[:, None], other=0.0
-    )
+    outs = jnp.where((w > 0)[:, None], outs, 0.0)
     denom = jnp.sum(w)
     empty = denom == 0.0
     denom_safe = jnp.where(empty, 1.0, denom)
