@@ -224,10 +224,12 @@ def profile(cases, out_dir: str) -> list[dict]:
 
         try:
             f = jax.jit(fn)
-            for _ in range(3):
+            for _ in range(3):  # every call writes the same file name: keep the last call's
+                for old in glob.glob(os.path.join(trace_dir, "*.json")):
+                    os.remove(old)
                 jax.block_until_ready(f(*inputs))
-            jax.effects_barrier()
-            trace = sorted(glob.glob(os.path.join(trace_dir, "*.json")))[-1]
+                jax.effects_barrier()
+            [trace] = glob.glob(os.path.join(trace_dir, "*.json"))
             rows.append(dict(case=name, splits=splits, **summarize_trace(trace)))
         except Exception as e:  # noqa: BLE001 - record and go on
             rows.append(dict(case=name, error=error_text(e)))
