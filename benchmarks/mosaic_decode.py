@@ -95,8 +95,7 @@ def mosaic_splits(config, splits, batch: int, max_len: int) -> int:
     if splits == "old":
         programs = batch * NUM_KV_HEADS
         return max(1, min(2 * H200_NUM_SMS // programs, max_steps // 4))
-    num_sms = mosaic.programs_per_sm(config, HEAD_DIM) * H200_NUM_SMS
-    rule = mosaic.choose_num_splits(batch, NUM_KV_HEADS, max_steps, num_sms=num_sms)
+    rule = mosaic.choose_num_splits(batch, NUM_KV_HEADS, max_steps, num_sms=H200_NUM_SMS)
     return rule if splits == "rule" else min(rule * splits, max_steps)
 
 

@@ -184,17 +184,6 @@ def test_choose_num_splits(seqs, kv_heads, max_steps, expected):
 
 
 @pytest.mark.parametrize(
-    "block_kv,num_stages,head_dim,expected",
-    [(128, 2, 128, 1), (64, 4, 128, 1), (64, 3, 128, 2), (64, 2, 128, 2), (64, 2, 64, 2)],
-)
-def test_programs_per_sm(block_kv, num_stages, head_dim, expected):
-    """Programs whose K/V stages and Q tile fit an SM's 228 KiB together (1 KiB reserved each),
-    at most two (registers)."""
-    config = mosaic.MosaicDecodeConfig(block_kv=block_kv, num_stages=num_stages)
-    assert mosaic.programs_per_sm(config, head_dim) == expected
-
-
-@pytest.mark.parametrize(
     "head_dim,block_kv,num_stages", [(64, 128, 4), (128, 128, 2), (256, 64, 2)]
 )
 def test_default_config(head_dim, block_kv, num_stages):

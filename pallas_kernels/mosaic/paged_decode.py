@@ -46,7 +46,6 @@ from pallas_kernels.common import (
     visible,
 )
 from pallas_kernels.mosaic.common import (
-    SMEM_LIMIT,
     check_inputs,
     check_pipeline,
     check_smem,
@@ -77,8 +76,9 @@ class MosaicDecodeConfig:
         of V, one TMA copy per page.
       num_stages: pipeline steps of K and V buffered in shared memory, i.e. how far the copy
         warpgroup runs ahead of compute. Shared memory per stage is `2 * block_kv * D * 2`
-        bytes. Configs small enough for two programs per SM get twice the programs from the
-        split rule (`programs_per_sm`).
+        bytes. One program runs per SM whatever its shared memory: the kernel needs 175
+        (block_kv 64) to 245 (block_kv 128) registers per thread (ptxas, run 17), more than
+        two programs of 256 threads can have.
       longest_first: run the sequences in order of decreasing length (an XLA argsort of
         `kv_lens` per call), so that in a ragged batch the last programs to start are the
         short ones and no SM is left with a long program at the end.
@@ -113,7 +113,7 @@ def choose_num_splits(
     """KV splits per sequence, from shapes only (static, so one compilation per batch shape).
 
     `max_steps` is the most pipeline steps a sequence can need (see `_max_steps`). Programs
-    hold most of an SM's shared memory, so one runs per SM: take the most splits that keep the
+    need more registers than two can share, so one runs per SM: take the most splits that keep the
     grid within one wave (`num_sms` programs), which hides each program's fixed costs (Q
     copy, pipeline fill, output write) behind no other program only once; but never make a
     split shorter than `_MIN_STEPS_PER_SPLIT` steps. Same shape of rule as
@@ -126,14 +126,6 @@ def choose_num_splits(
     programs = num_seq_slots * num_kv_heads
     by_length = max(1, max_steps // _MIN_STEPS_PER_SPLIT)
     return max(1, min(num_sms // programs, by_length))
-
-
-def programs_per_sm(config: MosaicDecodeConfig, head_dim: int, itemsize: int = 2) -> int:
-    """Programs of this config that run at once on one SM: as many as its shared memory holds
-    (228 KiB, 1 KiB of it reserved per program), but at most two, whose 2 x 256 threads get
-    the 128 registers each that the compute warpgroup's f32 tiles need."""
-    fit = (SMEM_LIMIT + 1024) // (_smem_bytes(config, head_dim, itemsize) + 1024)
-    return max(1, min(2, fit))
 
 
 def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> bool:
@@ -187,9 +179,8 @@ def paged_decode_attention(
     _check(q, page_size, head_dim, group, config, interpret)
     max_steps = _max_steps(pages_per_seq * page_size, sliding_window, config.block_kv)
     if num_splits is None:
-        per_sm = programs_per_sm(config, head_dim, q.dtype.itemsize)
         num_splits = choose_num_splits(
-            num_seq_slots, num_kv_heads, max_steps, num_sms=per_sm * device_num_sms()
+            num_seq_slots, num_kv_heads, max_steps, num_sms=device_num_sms()
         )
     q_rows = _q_rows(group)
     if num_q_heads < q_rows:
