@@ -58,8 +58,14 @@ _CONFIG = mosaic.MosaicDecodeConfig
 # configs small enough for two programs per SM, and the longest-first order.
 VARIANTS = [
     ("mosaic default", None, "rule"),
-    ("mosaic XLA merge", _CONFIG(merge_kernel=False), "rule"),
     ("mosaic default, 2x splits", None, 2),
+    ("mosaic persistent", _CONFIG(persistent=True), "rule"),
+    ("mosaic persistent, longest first", _CONFIG(persistent=True, longest_first=True), "rule"),
+    (
+        "mosaic persistent, longest first, 2x splits",
+        _CONFIG(persistent=True, longest_first=True),
+        2,
+    ),
 ]
 
 

@@ -74,6 +74,13 @@ LOWERING_FEATURES = [
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4), num_splits=40),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, longest_first=True)),
     dict(config=mosaic.MosaicDecodeConfig(merge_kernel=False), num_splits=3),
+    dict(config=mosaic.MosaicDecodeConfig(persistent=True)),
+    dict(config=mosaic.MosaicDecodeConfig(persistent=True, longest_first=True), num_splits=2),
+    dict(
+        config=mosaic.MosaicDecodeConfig(persistent=True, block_kv=64, num_stages=4),
+        num_splits=3,
+        sliding_window=70,
+    ),
 ]
 
 
@@ -247,6 +254,14 @@ FEATURES = [
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, longest_first=True)),
     dict(config=mosaic.MosaicDecodeConfig(longest_first=True), num_splits=3),
     dict(config=mosaic.MosaicDecodeConfig(merge_kernel=False), num_splits=5),
+    dict(config=mosaic.MosaicDecodeConfig(persistent=True), num_splits=1),
+    dict(config=mosaic.MosaicDecodeConfig(persistent=True), num_splits=3),
+    dict(config=mosaic.MosaicDecodeConfig(persistent=True, longest_first=True), num_splits=2),
+    dict(
+        config=mosaic.MosaicDecodeConfig(persistent=True, block_kv=64, num_stages=4),
+        num_splits=5,
+        sliding_window=70,
+    ),
 ]
 
 
@@ -290,6 +305,28 @@ def test_long_context(page_size):
         dtype=jnp.bfloat16,
     )
     out, lse = _run(batch)
+    assert_close(out, lse, *oracle(batch), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("longest_first", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_persistent_programs_walk_many_items(num_splits, longest_first):
+    """48 ragged slots x 4 KV heads x splits: up to 5 items per persistent program, whose
+    K/V pipeline runs on from one item into the next."""
+    rng = np.random.default_rng(num_splits)
+    lens = [int(n) for n in rng.integers(0, 700, size=48)]
+    batch = _decode_batch(
+        rng,
+        lens,
+        num_q_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        page_size=16,
+        dtype=jnp.bfloat16,
+    )
+    config = mosaic.MosaicDecodeConfig(persistent=True, longest_first=longest_first)
+    out, lse = _run(batch, num_splits=num_splits, config=config)
     assert_close(out, lse, *oracle(batch), jnp.bfloat16)
 
 

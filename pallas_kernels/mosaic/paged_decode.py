@@ -79,9 +79,14 @@ class MosaicDecodeConfig:
         bytes. One program runs per SM whatever its shared memory: the kernel needs 175
         (block_kv 64) to 245 (block_kv 128) registers per thread (ptxas, run 17), more than
         two programs of 256 threads can have.
-      longest_first: run the sequences in order of decreasing length (an XLA argsort of
-        `kv_lens` per call), so that in a ragged batch the last programs to start are the
-        short ones and no SM is left with a long program at the end.
+      longest_first: run the (slot, split) units in order of decreasing length (an XLA argsort
+        per call), so that in a ragged batch the last programs to start are the short ones
+        and no SM is left with a long program at the end.
+      persistent: launch one program per SM (or per item, if fewer), each walking its items
+        (KV head, split, slot) of a snake order (`_snake_item`) with one K/V pipeline: the
+        next item's pages stream in while the last one finishes, so an SM pays the pipeline
+        fill once, not once per item. With `longest_first` the snake deals long and short
+        items alike to every SM.
       merge_kernel: merge the splits in one Pallas kernel (`pallas_kernels.triton.merge`);
         False: in XLA (`pallas_kernels.common.merge_partial_states`, several small kernels).
     """
@@ -89,6 +94,7 @@ class MosaicDecodeConfig:
     block_kv: int = 128
     num_stages: int = 2
     longest_first: bool = False
+    persistent: bool = False
     merge_kernel: bool = True
 
     def __post_init__(self):
@@ -198,16 +204,21 @@ def paged_decode_attention(
         jax.ShapeDtypeStruct((num_seq_slots, *partials, num_q_heads, head_dim), partial_dtype),
         jax.ShapeDtypeStruct((num_seq_slots, *partials, num_q_heads), jnp.float32),
     )
+    chunk = pl.cdiv(max_steps, num_splits)
+    num_items = num_kv_heads * num_splits * num_seq_slots
+    num_programs = min(num_items, device_num_sms()) if config.persistent else num_items
     body = _make_body(
         group=group,
         q_rows=q_rows,
         page_size=page_size,
         num_splits=num_splits,
-        chunk=pl.cdiv(max_steps, num_splits),
+        chunk=chunk,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         config=config,
+        num_programs=num_programs,
+        items_per_program=pl.cdiv(num_items, num_programs),
     )
     tiled = (
         plgpu.TilingTransform((8, _SWIZZLE_ELEMS)),
@@ -215,16 +226,17 @@ def paged_decode_attention(
     )
     stages, block_kv = config.num_stages, config.block_kv
     kv_buffer = plgpu.SMEM((stages, block_kv, head_dim), q.dtype, transforms=tiled)
+    staging = (
+        plgpu.SMEM((_TILE_M, head_dim), partial_dtype),
+        plgpu.SMEM((_TILE_M,), jnp.float32),
+    )
     scratch = (
         plgpu.SMEM((_TILE_M, head_dim), q.dtype, transforms=tiled),
-        # K/V stages and the output staging buffers live at disjoint times.
-        plgpu.RefUnion(
-            (kv_buffer, kv_buffer),
-            (
-                plgpu.SMEM((_TILE_M, head_dim), partial_dtype),
-                plgpu.SMEM((_TILE_M,), jnp.float32),
-            ),
-        ),
+        # One program, one item: the K/V stages and the output staging buffers live at
+        # disjoint times. Persistent programs need both at once.
+        plgpu.RefUnion((kv_buffer, kv_buffer, *staging))
+        if config.persistent
+        else plgpu.RefUnion((kv_buffer, kv_buffer), staging),
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
         plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
@@ -233,8 +245,14 @@ def paged_decode_attention(
     )
     kernel_kwargs = dict(
         scratch_types=scratch,
-        grid=(num_kv_heads, num_splits, num_seq_slots),
-        grid_names=("kv_head", "split", "seq"),
+        **(
+            dict(grid=(num_programs,), grid_names=("program",))
+            if config.persistent
+            else dict(
+                grid=(num_kv_heads, num_splits, num_seq_slots),
+                grid_names=("kv_head", "split", "seq"),
+            )
+        ),
         num_threads=2,
         thread_name="wg",
         # tanh.approx is too coarse for the soft-capped logits' LSE tolerance.
@@ -243,8 +261,8 @@ def paged_decode_attention(
         ),
     )
     inputs = (q, k_pages, v_pages, kv_lens, page_indices)
-    if config.longest_first:  # the program for the i-th slot runs slot order[i]
-        inputs += (jnp.argsort(-kv_lens).astype(jnp.int32),)
+    if config.longest_first:
+        inputs += (_longest_first(kv_lens, pages_per_seq * page_size, chunk, num_splits, config),)
     if poison_enabled():
         # Outputs start as NaN so that tests see any element the kernel fails to write: refs
         # passed in are aliased to the kernel's outputs.
@@ -268,6 +286,15 @@ def _profile_params(profile_dir: str | None) -> dict:
     return dict(profile_space=256, profile_dir=profile_dir, profile_bounds_check=True)
 
 
+def _longest_first(kv_lens, max_kv_len, chunk, num_splits, config):
+    """The (slot, split) units, `slot * num_splits + split`, in order of decreasing steps:
+    one XLA sort per call. A sliding window is left out of the lengths: the order is a
+    schedule, not a result, and windows make every sequence about equally long anyway."""
+    steps = pl.cdiv(jnp.clip(kv_lens, 0, max_kv_len), config.block_kv)
+    split_steps = jnp.clip(steps[:, None] - chunk * jnp.arange(num_splits)[None, :], 0, chunk)
+    return jnp.argsort(-split_steps.reshape(-1)).astype(jnp.int32)
+
+
 def _max_steps(max_kv_len: int, sliding_window: int | None, block_kv: int) -> int:
     """The most pipeline steps one sequence's visible keys can touch: all of the longest
     sequence the page table holds, or the steps a window can straddle."""
@@ -288,48 +315,72 @@ def _make_body(
     sliding_window,
     logits_soft_cap,
     config,
+    num_programs,
+    items_per_program,
 ):
+    """The kernel body. Work comes in items, one (KV head, split, sequence slot) each. Without
+    `config.persistent` the grid is the items themselves; with it, each of the grid's programs
+    walks `items_per_program` items of the snake order (`_snake_item`), the copy warpgroup
+    running on into the next item's pages while compute finishes the last one's steps."""
     block_kv, stages = config.block_kv, config.num_stages
     pages_per_step = block_kv // page_size
+    ordered = config.longest_first
 
     def body(q_ref, k_ref, v_ref, lens_ref, table_ref, *refs):
-        if config.longest_first:
+        if ordered:
             order_ref, *refs = refs
         (
             out_ref,
             lse_ref,
             q_smem,
-            union,
+            buffers,
             q_barrier,
             k_ready,
             v_ready,
             k_free,
             v_free,
         ) = refs
-        (k_smem, v_smem), (o_smem, lse_smem) = union
-        kv_head = lax.axis_index("kv_head")
-        split = lax.axis_index("split")
-        seq = lax.axis_index("seq")
-        if config.longest_first:
-            seq = jnp.clip(order_ref[seq], 0, lens_ref.shape[0] - 1)
+        if config.persistent:  # the output staging buffers outlive an item's K/V stages
+            ((k_smem, v_smem, o_smem, lse_smem),) = buffers
+        else:  # they live at disjoint times
+            (k_smem, v_smem), (o_smem, lse_smem) = buffers
+        num_kv_heads = k_ref.shape[2]
         num_pages = k_ref.shape[0]
         pages_per_seq = table_ref.shape[1]
-        # The clamps of `sanitize_metadata`, done here to save XLA kernels per call: bad
-        # metadata gives wrong numbers, never an out-of-bounds read.
-        kv_len = jnp.clip(lens_ref[seq], 0, pages_per_seq * page_size)
-        # Steps [first, end) hold every visible key; this split takes `chunk` of them.
-        if sliding_window is None:
-            first = jnp.int32(0)
-        else:
-            first = jnp.maximum(kv_len - sliding_window, 0) // block_kv
-        end = pl.cdiv(kv_len, block_kv)
-        step0 = first + split * chunk
-        num_steps = jnp.clip(end - step0, 0, chunk)
+        num_seq_slots = lens_ref.shape[0]
 
-        def fill_stage(src, dst, ready, free, i, slot, pages):
+        def item_of(index):
+            """(KV head, split, slot) of an item; `index` counts KV heads fastest, then
+            splits, then slots, or, with `longest_first`, walks the (slot, split) units in
+            the order of `order_ref`."""
+            kv_head = lax.rem(index, num_kv_heads)
+            unit = index // num_kv_heads
+            if ordered:
+                unit = jnp.clip(order_ref[unit], 0, num_seq_slots * num_splits - 1)
+            return kv_head, lax.rem(unit, num_splits), unit // num_splits
+
+        def steps_of(split, seq, valid):
+            """kv_len, the item's first pipeline step and how many it takes (0 if `valid` is
+            False; None: always valid)."""
+            # The clamps of `sanitize_metadata`, done here to save XLA kernels per call: bad
+            # metadata gives wrong numbers, never an out-of-bounds read.
+            kv_len = jnp.clip(lens_ref[seq], 0, pages_per_seq * page_size)
+            # Steps [first, end) hold every visible key; this split takes `chunk` of them.
+            if sliding_window is None:
+                first = jnp.int32(0)
+            else:
+                first = jnp.maximum(kv_len - sliding_window, 0) // block_kv
+            end = pl.cdiv(kv_len, block_kv)
+            step0 = first + split * chunk
+            num_steps = jnp.clip(end - step0, 0, chunk)
+            if valid is not None:
+                num_steps = jnp.where(valid, num_steps, 0)
+            return kv_len, step0, num_steps
+
+        def fill_stage(src, dst, ready, free, kv_head, count, slot, pages):
             """One TMA copy per page into stage `slot`, once compute has released it."""
 
-            @pl.when(i >= stages)
+            @pl.when(count >= stages)
             def _wait_free():
                 plgpu.barrier_wait(free.at[slot])
 
@@ -340,18 +391,15 @@ def _make_body(
                     ready.at[slot],
                 )
 
-        wg = lax.axis_index("wg")
-
-        @pl.when(wg == 1)
-        @jax.named_scope("copy")
-        def _copy_pages():
+        def copy_item(kv_head, split, seq, valid, count):
+            """Copies every page of the item; `count` numbers pipeline steps across items."""
+            kv_len, step0, num_steps = steps_of(split, seq, valid)
             # Table entries past the last page are garbage: reload the last page instead
             # (an L2 hit); its rows are masked like every row past kv_len.
             last_page = (jnp.maximum(kv_len, 1) - 1) // page_size
 
-            @pl.loop(0, num_steps)
-            def _step(i):
-                slot = lax.rem(i, stages)
+            def step(i, count):
+                slot = lax.rem(count, stages)
                 first_page = (step0 + i) * pages_per_step
                 pages = [
                     jnp.clip(
@@ -360,18 +408,23 @@ def _make_body(
                     for j in range(pages_per_step)
                 ]
                 # K first: its stage is released before V's (after Q K^T, not P V).
-                fill_stage(k_ref, k_smem, k_ready, k_free, i, slot, pages)
-                fill_stage(v_ref, v_smem, v_ready, v_free, i, slot, pages)
+                fill_stage(k_ref, k_smem, k_ready, k_free, kv_head, count, slot, pages)
+                fill_stage(v_ref, v_smem, v_ready, v_free, kv_head, count, slot, pages)
+                return count + 1
+
+            return lax.fori_loop(0, num_steps, step, count)
 
         @jax.named_scope("epilogue")
-        def _write_output(acc, m, l):
+        def write_output(kv_head, split, seq, acc, m, l):
             out, lse = finalize(acc, m, l)
+            if config.persistent:  # the previous item's output copy must have read o_smem
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o_smem[...] = out.astype(o_smem.dtype)
             lse_smem[...] = lse
             plgpu.commit_smem()
             # The group sits at rows [tile_row, tile_row + group) of the tile (`_q_tile_start`);
             # only those rows are written, at the group's heads of the final layout.
-            tile_row = kv_head * group % 8
+            tile_row = lax.rem(kv_head * group, 8)
             heads = pl.ds(kv_head * group, group)
             out_dst, lse_dst = (
                 (out_ref, lse_ref)
@@ -382,11 +435,12 @@ def _make_body(
             # A TMA box needs 16-byte rows, more than a small group's LSEs: plain stores.
             for r in range(group):
                 lse_dst[seq, kv_head * group + r] = lse_smem[tile_row + r]
-            plgpu.wait_smem_to_gmem(0)
+            if not config.persistent:
+                plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 0)
-        @jax.named_scope("compute")
-        def _compute():
+        def compute_item(kv_head, split, seq, valid, count):
+            """Attention of the item's query heads over its steps; returns the step count."""
+            kv_len, step0, num_steps = steps_of(split, seq, valid)
             plgpu.copy_gmem_to_smem(
                 q_ref.at[seq, pl.ds(_q_tile_start(kv_head, group), q_rows)],
                 q_smem.at[pl.ds(0, q_rows)],
@@ -402,7 +456,7 @@ def _make_body(
 
             def step(i, carry):
                 acc, m, l = carry
-                slot = lax.rem(i, stages)
+                slot = lax.rem(count + i, stages)
                 start = (step0 + i) * block_kv
                 with jax.named_scope("wait_k"):
                     plgpu.barrier_wait(k_ready.at[slot])
@@ -453,9 +507,64 @@ def _make_body(
 
             with jax.named_scope("steps"):
                 acc, m, l = lax.fori_loop(0, num_steps, step, (acc, m, l))
-            _write_output(acc, m, l)
+
+            if valid is None:
+                write_output(kv_head, split, seq, acc, m, l)
+            else:
+                pl.when(valid)(lambda: write_output(kv_head, split, seq, acc, m, l))
+
+            return count + num_steps
+
+        wg = lax.axis_index("wg")
+        if config.persistent:
+            program = lax.axis_index("program")
+            num_items = num_kv_heads * num_splits * num_seq_slots
+
+            def walk(work):
+                def item(k, count):
+                    index = _snake_item(k, program, num_programs)
+                    valid = index < num_items
+                    kv_head, split, seq = item_of(jnp.minimum(index, num_items - 1))
+                    return work(kv_head, split, seq, valid, count)
+
+                lax.fori_loop(0, items_per_program, item, jnp.int32(0))
+
+            @pl.when(wg == 1)
+            @jax.named_scope("copy")
+            def _copy_items():
+                walk(copy_item)
+
+            @pl.when(wg == 0)
+            @jax.named_scope("compute")
+            def _compute_items():
+                walk(compute_item)
+                plgpu.wait_smem_to_gmem(0)
+
+        else:
+            index = lax.axis_index("kv_head") + num_kv_heads * (
+                lax.axis_index("split") + num_splits * lax.axis_index("seq")
+            )
+            kv_head, split, seq = item_of(index)
+
+            @pl.when(wg == 1)
+            @jax.named_scope("copy")
+            def _copy_item():
+                copy_item(kv_head, split, seq, None, jnp.int32(0))
+
+            @pl.when(wg == 0)
+            @jax.named_scope("compute")
+            def _compute_item():
+                compute_item(kv_head, split, seq, None, jnp.int32(0))
 
     return body
+
+
+def _snake_item(k, program, num_programs):
+    """The item that `program` takes k-th in a persistent grid: rounds of `num_programs`
+    items, dealt forward in even rounds and backward in odd ones, so that with items sorted
+    longest first (`longest_first`) every program gets a long and a short one in turn."""
+    forward = lax.rem(k, 2) == 0
+    return k * num_programs + jnp.where(forward, program, num_programs - 1 - program)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -488,5 +597,9 @@ def _check(q, page_size, head_dim, group, config, interpret) -> None:
 
 
 def _smem_bytes(config: MosaicDecodeConfig, head_dim: int, itemsize: int) -> int:
-    """Shared memory of one program: the K and V stages and the Q tile."""
-    return (2 * config.num_stages * config.block_kv + _TILE_M) * head_dim * itemsize
+    """Shared memory of one program: the K and V stages and the Q tile, and for persistent
+    programs the output staging buffers (float32 partials at most) besides."""
+    smem = (2 * config.num_stages * config.block_kv + _TILE_M) * head_dim * itemsize
+    if config.persistent:
+        smem += _TILE_M * (head_dim + 1) * 4
+    return smem
