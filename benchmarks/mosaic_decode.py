@@ -53,19 +53,13 @@ GOALS = {"b1-ctx32768-ps16": 3.7, "b1-ctx32768-ps64": 3.7, "b64-ragged4096-ps16"
 OLD_DEFAULT = mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4)
 _CONFIG = mosaic.MosaicDecodeConfig
 # (label, config or None for the default, splits: "rule", a multiple of the rule's count, or
-# "old" for the first run's rule of about two programs per SM). Runs 1 and 3 timed 2x and 4x
-# splits and the run-1 default (results/mosaic_decode_h200_run{1,3}.json); this set times
-# configs small enough for two programs per SM, and the longest-first order.
+# "old" for the first run's rule of about two programs per SM). Earlier runs timed 2x and 4x
+# splits, small configs and the first default (results/mosaic_decode_h200_run*.json); this set
+# times the persistent default against its unsorted form and the one-item-per-program grid.
 VARIANTS = [
     ("mosaic default", None, "rule"),
-    ("mosaic default, 2x splits", None, 2),
-    ("mosaic persistent", _CONFIG(persistent=True), "rule"),
-    ("mosaic persistent, longest first", _CONFIG(persistent=True, longest_first=True), "rule"),
-    (
-        "mosaic persistent, longest first, 2x splits",
-        _CONFIG(persistent=True, longest_first=True),
-        2,
-    ),
+    ("mosaic persistent, unsorted", _CONFIG(longest_first=False), "rule"),
+    ("mosaic one item per program", _CONFIG(persistent=False, longest_first=False), "rule"),
 ]
 
 

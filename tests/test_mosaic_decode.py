@@ -69,13 +69,14 @@ LOWERING_FEATURES = [
     dict(sliding_window=5),
     dict(logits_soft_cap=2.5),
     dict(num_splits=3, sliding_window=70, logits_soft_cap=7.0),
-    dict(config=mosaic.MosaicDecodeConfig(block_kv=128, num_stages=3)),
+    dict(config=mosaic.MosaicDecodeConfig(block_kv=128, num_stages=3, persistent=False)),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=256, num_stages=1), num_splits=2),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4), num_splits=40),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, longest_first=True)),
     dict(config=mosaic.MosaicDecodeConfig(merge_kernel=False), num_splits=3),
-    dict(config=mosaic.MosaicDecodeConfig(persistent=True)),
-    dict(config=mosaic.MosaicDecodeConfig(persistent=True, longest_first=True), num_splits=2),
+    dict(config=mosaic.MosaicDecodeConfig(persistent=False), num_splits=3),
+    dict(config=mosaic.MosaicDecodeConfig(persistent=False, longest_first=False)),
+    dict(config=mosaic.MosaicDecodeConfig(longest_first=False), num_splits=2),
     dict(
         config=mosaic.MosaicDecodeConfig(persistent=True, block_kv=64, num_stages=4),
         num_splits=3,
@@ -194,7 +195,25 @@ def test_choose_num_splits(seqs, kv_heads, max_steps, expected):
     "head_dim,block_kv,num_stages", [(64, 128, 4), (128, 128, 2), (256, 64, 2)]
 )
 def test_default_config(head_dim, block_kv, num_stages):
-    assert mosaic.default_config(head_dim) == mosaic.MosaicDecodeConfig(block_kv, num_stages)
+    """Persistent and longest first, except at D=256 (the staging buffers do not fit)."""
+    want = mosaic.MosaicDecodeConfig(block_kv, num_stages, persistent=head_dim <= 128)
+    assert mosaic.default_config(head_dim) == want
+
+
+def test_persistent_grid_and_sort():
+    """A persistent call launches one program per SM at most and sorts the slots only when
+    a program has more than one item; the sort is one XLA sort over kv_lens."""
+    # 3 slots x 8 KV heads x 1 split = 24 items: 24 programs of one item, no sort.
+    small = _lower_for_hopper(
+        _mosaic_fn(num_splits=1), *_abstract_args(128, 32, 8, 16, jnp.bfloat16)
+    )
+    assert "stablehlo.sort" not in small
+    # 64 slots x 8 KV heads = 512 items over at most 132 programs: sorted.
+    args = _abstract_args(128, 32, 8, 16, jnp.bfloat16, seqs=64)
+    text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    assert text.count("stablehlo.sort") == 1 and "stablehlo.negate" not in text
+    plain = mosaic.MosaicDecodeConfig(longest_first=False)
+    assert "stablehlo.sort" not in _lower_for_hopper(_mosaic_fn(num_splits=1, config=plain), *args)
 
 
 # ---------------------------------------------------------------------------- on the H200
@@ -254,9 +273,9 @@ FEATURES = [
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, longest_first=True)),
     dict(config=mosaic.MosaicDecodeConfig(longest_first=True), num_splits=3),
     dict(config=mosaic.MosaicDecodeConfig(merge_kernel=False), num_splits=5),
-    dict(config=mosaic.MosaicDecodeConfig(persistent=True), num_splits=1),
-    dict(config=mosaic.MosaicDecodeConfig(persistent=True), num_splits=3),
-    dict(config=mosaic.MosaicDecodeConfig(persistent=True, longest_first=True), num_splits=2),
+    dict(config=mosaic.MosaicDecodeConfig(persistent=False), num_splits=3),
+    dict(config=mosaic.MosaicDecodeConfig(persistent=False, longest_first=False), num_splits=1),
+    dict(config=mosaic.MosaicDecodeConfig(longest_first=False), num_splits=3),
     dict(
         config=mosaic.MosaicDecodeConfig(persistent=True, block_kv=64, num_stages=4),
         num_splits=5,
