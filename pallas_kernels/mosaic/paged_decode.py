@@ -1,11 +1,15 @@
 """Split-KV paged decode attention for Hopper (sm_90), lowered through Mosaic GPU.
 
-One program per (KV head, split, sequence slot), two warpgroups per program:
+The work comes in items, one per (KV head, split, sequence slot). The kernel needs 175-245
+registers per thread, so one program runs per SM; by default (`MosaicDecodeConfig.persistent`)
+the grid has one program per SM and each walks its items of a snake order, longest sequences
+first, so that an SM fills its K/V pipeline once rather than once per item. Two warpgroups per
+program:
 
 * the copy warpgroup reads page ids from the page table and brings every page of K and V into
   shared memory with its own TMA copy (a `[page_size, D]` box of the strided view
   `k_pages[page, :, kv_head, :]`), `block_kv // page_size` pages per pipeline step and
-  `num_stages` steps ahead of compute;
+  `num_stages` steps ahead of compute, running on from one item into the next;
 * the compute warpgroup holds the GQA group's query heads as the rows of a 64-row score tile
   (the `wgmma` M; rows past the group are discarded), runs `wgmma` for Q K^T and P V with a
   base-2 online softmax in between, releases each stage as soon as its product is done, and
@@ -13,14 +17,14 @@ One program per (KV head, split, sequence slot), two warpgroups per program:
   partials).
 
 Split `i` covers the fixed pipeline steps `[i * chunk, (i + 1) * chunk)` of the visible range
-(a split past a short sequence's end loops zero times), so that in a ragged batch no program
-is longer than one chunk. With one split the kernel's outputs are final and the call launches
-no XLA kernel at all (page-table and length clamps happen in the kernel); with more, the f32
-partials are merged in XLA by `pallas_kernels.common.merge_partial_states`. Bytes past `kv_len`
-(the tail of the last page, pages named by garbage table entries, keys before a sliding
-window) may be loaded, but never reach the output: their logits are replaced by -inf and, on
-the at most two steps per sequence that hold such rows, their V rows are zeroed in shared memory
-before the P V product (P is exactly 0 there, but 0 * NaN is NaN).
+(a split past a short sequence's end loops zero times), so that in a ragged batch no item is
+longer than one chunk. With one split the kernel's outputs are final (page-table and length
+clamps happen in the kernel); with more, the f32 partials are merged by one more Pallas kernel
+(`pallas_kernels.triton.merge`). Bytes past `kv_len` (the tail of the last page, pages named by
+garbage table entries, keys before a sliding window) may be loaded, but never reach the output:
+their logits are replaced by -inf and, on the at most two steps per sequence that hold such
+rows, their V rows are zeroed in shared memory before the P V product (P is exactly 0 there,
+but 0 * NaN is NaN).
 """
 
 from __future__ import annotations
