@@ -3,12 +3,13 @@ D=128).
 
     PYTHONPATH=$PWD python3 -m benchmarks.mosaic_decode --out benchmarks/results/mosaic_decode.json
 
-Every case times several variants of the Mosaic kernel side by side (the defaults, other
-configs and split counts, and the first H200 run's default: block_kv=64, 4 stages, about two
-programs per SM), cuDNN's paged attention (the anchor of the issue's goals) and, when it exists,
-the Triton decode kernel, so that defaults can be picked from one run. Bandwidth is unique KV
-bytes read / CUPTI median time of all kernels of a call (XLA merge included); `vs_cudnn` is the
+Every case times several variants of the Mosaic kernel side by side (the default, other
+configs and split counts), cuDNN's paged attention (the anchor of the issue's goals) and the
+Triton decode kernel, so that defaults can be picked from one run. Bandwidth is unique KV bytes
+read / CUPTI median time of all kernels of a call (sort and merge included); `vs_cudnn` is the
 ratio of cuDNN's time to ours in this run. A failing row records its error and the run goes on.
+`--breakdown` also records every kernel's time; `--profile-dir DIR` instead runs the default
+kernel under Mosaic GPU's in-kernel profiler and summarizes each program's phases.
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ CASES = [
 # Goals of the issue in TB/s of KV (cuDNN's own number is the goal where it is None).
 GOALS = {"b1-ctx32768-ps16": 3.7, "b1-ctx32768-ps64": 3.7, "b64-ragged4096-ps16": 3.9}
 
-OLD_DEFAULT = mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4)
 _CONFIG = mosaic.MosaicDecodeConfig
-# (label, config or None for the default, splits: "rule", a multiple of the rule's count, or
-# "old" for the first run's rule of about two programs per SM). Earlier runs timed 2x and 4x
+# (label, config or None for the default, splits: "rule" or a multiple of the rule's count).
+# Earlier runs timed 2x and 4x
 # splits, small configs and the first default (results/mosaic_decode_h200_run*.json); this set
 # times the persistent default against its unsorted form and the one-item-per-program grid.
 VARIANTS = [
@@ -92,9 +92,6 @@ def mosaic_splits(config, splits, batch: int, max_len: int) -> int:
     """The split count a variant runs with."""
     config = config or mosaic.default_config(HEAD_DIM)
     max_steps = -(-max_len // config.block_kv)
-    if splits == "old":
-        programs = batch * NUM_KV_HEADS
-        return max(1, min(2 * H200_NUM_SMS // programs, max_steps // 4))
     rule = mosaic.choose_num_splits(batch, NUM_KV_HEADS, max_steps, num_sms=H200_NUM_SMS)
     return rule if splits == "rule" else min(rule * splits, max_steps)
 
