@@ -8,12 +8,33 @@ on the padded sizes of the batch, so a new batch of the same sizes never compile
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 # Rows of the plan (`plan_blocks`); its columns are the grid's q blocks.
 SEQ, FIRST_TOKEN, NUM_TOKENS, FIRST_POS, KV_LEN = range(5)
 TILE_LO, FULL_LO, FULL_HI, TILE_HI = range(5, 9)
+
+
+class Block(NamedTuple):
+    """One column of the plan, as a kernel reads it (`read_block`); fields in row order."""
+
+    seq: jax.Array
+    first_token: jax.Array
+    num_tokens: jax.Array
+    first_pos: jax.Array
+    kv_len: jax.Array
+    tile_lo: jax.Array
+    full_lo: jax.Array
+    full_hi: jax.Array
+    tile_hi: jax.Array
+
+
+def read_block(plan_ref, block) -> Block:
+    """The plan's column `block`, read inside a kernel (every row, in order)."""
+    return Block(*(plan_ref[row, block] for row in range(len(Block._fields))))
 
 
 def num_blocks(num_tokens: int, num_seq_slots: int, tokens: int, align: int = 1) -> int:

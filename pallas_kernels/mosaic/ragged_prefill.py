@@ -292,15 +292,17 @@ def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_sof
         head = lax.axis_index("head")
         block = lax.axis_index("block")
         kv_head = lax.div(head, group)
-        seq = plan_ref[block_plan.SEQ, block]
-        first_token = plan_ref[block_plan.FIRST_TOKEN, block]
-        num_tokens = plan_ref[block_plan.NUM_TOKENS, block]
-        first_pos = plan_ref[block_plan.FIRST_POS, block]
-        kv_len = plan_ref[block_plan.KV_LEN, block]
-        tile_lo = plan_ref[block_plan.TILE_LO, block]
-        full_lo = plan_ref[block_plan.FULL_LO, block]
-        full_hi = plan_ref[block_plan.FULL_HI, block]
-        tile_hi = plan_ref[block_plan.TILE_HI, block]
+        (
+            seq,
+            first_token,
+            num_tokens,
+            first_pos,
+            kv_len,
+            tile_lo,
+            full_lo,
+            full_hi,
+            tile_hi,
+        ) = block_plan.read_block(plan_ref, block)
         # Step i takes tile `tile_of(i)`: the tiles every row sees whole first, then the
         # window's leading edge [tile_lo, full_lo) and the diagonal / kv_len end.
         num_full = full_hi - full_lo

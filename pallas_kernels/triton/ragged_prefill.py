@@ -149,15 +149,17 @@ def _prefill_kernel(
     block, kv_head = pl.program_id(0), pl.program_id(1)
     page_size = k_ref.shape[1]
     head_dim = q_ref.shape[2]
-    seq = plan_ref[block_plan.SEQ, block]
-    first_token = plan_ref[block_plan.FIRST_TOKEN, block]
-    num_tokens = plan_ref[block_plan.NUM_TOKENS, block]
-    first_pos = plan_ref[block_plan.FIRST_POS, block]
-    kv_len = plan_ref[block_plan.KV_LEN, block]
-    tile_lo = plan_ref[block_plan.TILE_LO, block]
-    full_lo = plan_ref[block_plan.FULL_LO, block]
-    full_hi = plan_ref[block_plan.FULL_HI, block]
-    tile_hi = plan_ref[block_plan.TILE_HI, block]
+    (
+        seq,
+        first_token,
+        num_tokens,
+        first_pos,
+        kv_len,
+        tile_lo,
+        full_lo,
+        full_hi,
+        tile_hi,
+    ) = block_plan.read_block(plan_ref, block)
 
     # Row r of the tile is token r // padded_group of the block and query head r % padded_group
     # of the group (both powers of two, so these are shifts and masks).
