@@ -76,6 +76,8 @@ class PrefillConfig:
     short_num_warps: int = 4
     short_num_stages: int = 3
     short_carry_page_ids: bool = True
+    heads_fastest: bool = False  # PROBE
+    single_loop: bool = False  # PROBE
 
     @classmethod
     def default(cls, head_dim: int, dtype) -> PrefillConfig:
@@ -138,6 +140,8 @@ def _prefill_kernel(
     group: int,
     block_kv: int,
     carry_page_ids: bool,
+    heads_fastest: bool = False,
+    single_loop: bool = False,
 ):
     """One q block of one KV head.
 
@@ -147,6 +151,8 @@ def _prefill_kernel(
     """
     o_ref, lse_ref = refs[-2:]
     block, kv_head = pl.program_id(0), pl.program_id(1)
+    if heads_fastest:
+        kv_head, block = pl.program_id(0), pl.program_id(1)
     page_size = k_ref.shape[1]
     head_dim = q_ref.shape[2]
     (
@@ -218,6 +224,8 @@ def _prefill_kernel(
 
     # The masked tiles are the window's leading edge [tile_lo, full_lo) and the causal
     # diagonal and kv_len end [full_hi, tile_hi): one loop walks both.
+    if single_loop:
+        full_lo = full_hi = tile_lo
     num_lead = full_lo - tile_lo
 
     def edge_index(i):
@@ -375,6 +383,8 @@ def _ragged_paged_attention(
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
         interpret=interpret,
+        heads_fastest=config.heads_fastest,
+        single_loop=config.single_loop,
         **options,
     )
     if not short_tokens:
@@ -462,6 +472,8 @@ def _launch(
     sliding_window,
     logits_soft_cap,
     interpret,
+    heads_fastest=False,
+    single_loop=False,
 ):
     """One launch of the kernel over the q blocks of `plan`. It writes only the rows of its
     blocks: `outputs`, when given, are (out, lse) buffers that it updates in place."""
@@ -481,10 +493,13 @@ def _launch(
         group=num_q_heads // num_kv_heads,
         block_kv=block_kv,
         carry_page_ids=carry_page_ids,
+        heads_fastest=heads_fastest,
+        single_loop=single_loop,
     )
+    grid = (num_kv_heads, plan.shape[1]) if heads_fastest else (plan.shape[1], num_kv_heads)
     return pl.pallas_call(
         kernel,
-        grid=(plan.shape[1], num_kv_heads),
+        grid=grid,
         out_shape=_out_shapes(q),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
