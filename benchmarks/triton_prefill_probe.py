@@ -80,7 +80,7 @@ def main() -> None:
     kd = jax.random.normal(jax.random.key(5), (1, T, HQ, D), DTYPE)
     vd = jax.random.normal(jax.random.key(6), (1, T, HQ, D), DTYPE)
     for causal in (True, False):
-        for stages in (2, 3) if causal else (2,):
+        for stages in (3,):
             fn = jax.jit(
                 lambda q, k, v, c=causal, s=stages: mha_mod.mha(
                     q, k, v, None, sm_scale=SCALE, causal=c, num_stages=s
@@ -108,24 +108,24 @@ def main() -> None:
         )
 
     variant("default", default)
-    for stages in (2, 3, 4):
-        variant(f"stages{stages}", dataclasses.replace(default, num_stages=stages))
-    variant("heads_fastest", dataclasses.replace(default, heads_fastest=True))
-    variant("single_loop", dataclasses.replace(default, single_loop=True))
+    for mode in ("identity", "scalar"):
+        for stages in (5, 3, 2):
+            for page in ((64, 128) if mode == "identity" else (128,)):
+                variant(
+                    f"{mode} stages{stages} page{page}",
+                    dataclasses.replace(default, page_mode=mode, num_stages=stages),
+                    paged_inputs(8, page),
+                )
+    variant("load page128", default, paged_inputs(8, 128))
+    variant("load page128 stages3", dataclasses.replace(default, num_stages=3), paged_inputs(8, 128))
+    variant("carry", dataclasses.replace(default, carry_page_ids=True))
+    variant("carry stages3", dataclasses.replace(default, carry_page_ids=True, num_stages=3))
     variant(
-        "single_loop stages2", dataclasses.replace(default, single_loop=True, num_stages=2)
-    )
-    variant("page8192", default, paged_inputs(8, T))
-    variant("hkv32", default, paged_inputs(32, 64))
-    variant("hkv32 page8192", default, paged_inputs(32, T))
-    variant(
-        "hkv32 page8192 single_loop stages2",
-        dataclasses.replace(default, single_loop=True, num_stages=2),
+        "identity stages3 hkv32 page8192",
+        dataclasses.replace(default, page_mode="identity", num_stages=3),
         paged_inputs(32, T),
+        causal=False,
     )
-    variant("default", default, causal=False)
-    variant("stages2", dataclasses.replace(default, num_stages=2), causal=False)
-    variant("hkv32 page8192", default, paged_inputs(32, T), causal=False)
     breakdown = kernel_breakdown_ms(ours(default), *base)
     print("breakdown", breakdown, flush=True)
     runner.records.append(dict(case="b1-t8192", impl="ours", variant="breakdown", kernels=breakdown))

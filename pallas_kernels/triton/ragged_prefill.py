@@ -78,6 +78,7 @@ class PrefillConfig:
     short_carry_page_ids: bool = True
     heads_fastest: bool = False  # PROBE
     single_loop: bool = False  # PROBE
+    page_mode: str = "load"  # PROBE
 
     @classmethod
     def default(cls, head_dim: int, dtype) -> PrefillConfig:
@@ -142,6 +143,7 @@ def _prefill_kernel(
     carry_page_ids: bool,
     heads_fastest: bool = False,
     single_loop: bool = False,
+    page_mode: str = "load",
 ):
     """One q block of one KV head.
 
@@ -188,6 +190,11 @@ def _prefill_kernel(
     def tile_pages(index):
         """Page of every key of tile `index`, [block_kv]; 0 past the page-table row."""
         slot_page = lax.div(index * block_kv + jnp.arange(block_kv, dtype=jnp.int32), page_size)
+        if page_mode == "identity":
+            return jnp.minimum(slot_page, pages_per_seq - 1)
+        if page_mode == "scalar":
+            one = pages_ref[seq, jnp.minimum(index * block_kv // page_size, pages_per_seq - 1)]
+            return jnp.full((block_kv,), one, jnp.int32)
         return plgpu.load(pages_ref.at[seq, slot_page], mask=slot_page < pages_per_seq, other=0)
 
     def tile(index, next_index, carry, *, masked: bool):
@@ -385,6 +392,7 @@ def _ragged_paged_attention(
         interpret=interpret,
         heads_fastest=config.heads_fastest,
         single_loop=config.single_loop,
+        page_mode=config.page_mode,
         **options,
     )
     if not short_tokens:
@@ -474,6 +482,7 @@ def _launch(
     interpret,
     heads_fastest=False,
     single_loop=False,
+    page_mode="load",
 ):
     """One launch of the kernel over the q blocks of `plan`. It writes only the rows of its
     blocks: `outputs`, when given, are (out, lse) buffers that it updates in place."""
@@ -495,6 +504,7 @@ def _launch(
         carry_page_ids=carry_page_ids,
         heads_fastest=heads_fastest,
         single_loop=single_loop,
+        page_mode=page_mode,
     )
     grid = (num_kv_heads, plan.shape[1]) if heads_fastest else (plan.shape[1], num_kv_heads)
     return pl.pallas_call(
