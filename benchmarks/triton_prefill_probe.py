@@ -108,18 +108,14 @@ def main() -> None:
         )
 
     variant("default", default)
-    for mode in ("identity", "scalar"):
-        for stages in (5, 3, 2):
-            for page in ((64, 128) if mode == "identity" else (128,)):
-                variant(
-                    f"{mode} stages{stages} page{page}",
-                    dataclasses.replace(default, page_mode=mode, num_stages=stages),
-                    paged_inputs(8, page),
-                )
-    variant("load page128", default, paged_inputs(8, 128))
-    variant("load page128 stages3", dataclasses.replace(default, num_stages=3), paged_inputs(8, 128))
-    variant("carry", dataclasses.replace(default, carry_page_ids=True))
+    for stages in (3, 4):
+        variant(f"stages{stages}", dataclasses.replace(default, num_stages=stages))
+    for stages in (3, 5):
+        variant(f"kv64 stages{stages}", dataclasses.replace(default, block_kv=64, num_stages=stages))
     variant("carry stages3", dataclasses.replace(default, carry_page_ids=True, num_stages=3))
+    variant("heads_fastest", dataclasses.replace(default, heads_fastest=True))
+    variant("page16", default, paged_inputs(8, 16))
+    variant("default", default, causal=False)
     variant(
         "identity stages3 hkv32 page8192",
         dataclasses.replace(default, page_mode="identity", num_stages=3),
