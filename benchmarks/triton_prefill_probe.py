@@ -108,20 +108,17 @@ def main() -> None:
         )
 
     variant("default", default)
-    for stages in (3, 4):
-        variant(f"stages{stages}", dataclasses.replace(default, num_stages=stages))
-    for stages in (3, 5):
-        variant(f"kv64 stages{stages}", dataclasses.replace(default, block_kv=64, num_stages=stages))
-    variant("carry stages3", dataclasses.replace(default, carry_page_ids=True, num_stages=3))
-    variant("heads_fastest", dataclasses.replace(default, heads_fastest=True))
-    variant("page16", default, paged_inputs(8, 16))
-    variant("default", default, causal=False)
-    variant(
-        "identity stages3 hkv32 page8192",
-        dataclasses.replace(default, page_mode="identity", num_stages=3),
-        paged_inputs(32, T),
-        causal=False,
-    )
+    variant("late_v", dataclasses.replace(default, page_mode="load,late_v"))
+    variant("late_v stages3", dataclasses.replace(default, page_mode="load,late_v", num_stages=3))
+    dense32 = paged_inputs(32, T)
+    for mode in ("identity", "identity,late_v", "identity,static_loop", "identity,late_v,static_loop"):
+        for stages in (3, 5):
+            variant(
+                f"{mode} stages{stages} hkv32 page8192",
+                dataclasses.replace(default, page_mode=mode, num_stages=stages),
+                dense32,
+                causal=False,
+            )
     breakdown = kernel_breakdown_ms(ours(default), *base)
     print("breakdown", breakdown, flush=True)
     runner.records.append(dict(case="b1-t8192", impl="ours", variant="breakdown", kernels=breakdown))

@@ -190,7 +190,7 @@ def _prefill_kernel(
     def tile_pages(index):
         """Page of every key of tile `index`, [block_kv]; 0 past the page-table row."""
         slot_page = lax.div(index * block_kv + jnp.arange(block_kv, dtype=jnp.int32), page_size)
-        if page_mode == "identity":
+        if "identity" in page_mode:
             return jnp.minimum(slot_page, pages_per_seq - 1)
         if page_mode == "scalar":
             one = pages_ref[seq, jnp.minimum(index * block_kv // page_size, pages_per_seq - 1)]
@@ -207,13 +207,19 @@ def _prefill_kernel(
             page = tile_pages(index)
         key = index * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
         kv_at = (page[:, None], lax.rem(key, page_size)[:, None], kv_head, dim)
+        def load_v():
+            if masked:
+                return plgpu.load(v_ref.at[kv_at], mask=(key < kv_len)[:, None], other=0.0)
+            return v_ref[kv_at]
+
         if masked:
             # Slots past kv_len may hold garbage, even NaN: keep them out of the loads.
             key_ok = key < kv_len
             k = plgpu.load(k_ref.at[kv_at], mask=key_ok[:, None], other=0.0)
-            v = plgpu.load(v_ref.at[kv_at], mask=key_ok[:, None], other=0.0)
         else:
-            k, v = k_ref[kv_at], v_ref[kv_at]
+            k = k_ref[kv_at]
+        if "late_v" not in page_mode:
+            v = load_v()
         logits = dot_f32(q, k, contract_b=1)  # [rows, block_kv]
         logits2 = logits_base2(logits, sm_scale, logits_soft_cap)
         if masked:
@@ -222,6 +228,8 @@ def _prefill_kernel(
             )
             logits2 = jnp.where(ok, logits2, -jnp.inf)
         m, l, alpha, p = online_softmax_step(m, l, logits2)
+        if "late_v" in page_mode:
+            v = load_v()
         pv = dot_f32(p.astype(v.dtype), v, contract_b=0)
         state = (acc * alpha[:, None] + pv, m, l)
         return (*state, next_page) if carry_page_ids else state
@@ -249,7 +257,12 @@ def _prefill_kernel(
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    state = lax.fori_loop(full_lo, full_hi, full_tile, with_pages(state, full_lo))
+    if "static_loop" in page_mode:
+        state = lax.fori_loop(
+            0, pages_per_seq * page_size // block_kv, full_tile, with_pages(state, 0)
+        )
+    else:
+        state = lax.fori_loop(full_lo, full_hi, full_tile, with_pages(state, full_lo))
     state = lax.fori_loop(
         0, num_lead + tile_hi - full_hi, edge_tile, with_pages(state, edge_index(0))
     )
