@@ -108,17 +108,21 @@ def main() -> None:
         )
 
     variant("default", default)
-    variant("late_v", dataclasses.replace(default, page_mode="load,late_v"))
-    variant("late_v stages3", dataclasses.replace(default, page_mode="load,late_v", num_stages=3))
     dense32 = paged_inputs(32, T)
-    for mode in ("identity", "identity,late_v", "identity,static_loop", "identity,late_v,static_loop"):
-        for stages in (3, 5):
-            variant(
-                f"{mode} stages{stages} hkv32 page8192",
-                dataclasses.replace(default, page_mode=mode, num_stages=stages),
-                dense32,
-                causal=False,
-            )
+    base_mode = "identity,static_loop"
+    for extra in ("", ",no_edge", ",plain_q", ",plain_out", ",no_edge,plain_q,plain_out"):
+        variant(
+            f"{base_mode}{extra} stages3 hkv32 page8192",
+            dataclasses.replace(default, page_mode=base_mode + extra, num_stages=3),
+            dense32,
+            causal=False,
+        )
+    variant(
+        "no_edge,plain_q,plain_out stages3 hkv32 page8192",
+        dataclasses.replace(default, page_mode="load,no_edge,plain_q,plain_out", num_stages=3),
+        dense32,
+        causal=False,
+    )
     breakdown = kernel_breakdown_ms(ours(default), *base)
     print("breakdown", breakdown, flush=True)
     runner.records.append(dict(case="b1-t8192", impl="ours", variant="breakdown", kernels=breakdown))

@@ -182,7 +182,10 @@ def _prefill_kernel(
     # Whole-array indices (no slices) so that masked loads and stores also run in interpret mode.
     dim = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     q_at = (token[:, None], head[:, None], dim)
-    q = plgpu.load(q_ref.at[q_at], mask=row_ok[:, None], other=0.0)  # [rows, D]
+    if "plain_q" in page_mode:
+        q = q_ref[pl.ds(first_token, rows), kv_head, :]
+    else:
+        q = plgpu.load(q_ref.at[q_at], mask=row_ok[:, None], other=0.0)  # [rows, D]
     q_pos = first_pos + token_in_block
 
     pages_per_seq = pages_ref.shape[1]
@@ -263,12 +266,20 @@ def _prefill_kernel(
         )
     else:
         state = lax.fori_loop(full_lo, full_hi, full_tile, with_pages(state, full_lo))
-    state = lax.fori_loop(
-        0, num_lead + tile_hi - full_hi, edge_tile, with_pages(state, edge_index(0))
-    )
+    if "no_edge" not in page_mode:
+        state = lax.fori_loop(
+            0, num_lead + tile_hi - full_hi, edge_tile, with_pages(state, edge_index(0))
+        )
     out, lse = finalize(*state[:3])
-    plgpu.store(o_ref.at[q_at], out.astype(o_ref.dtype), mask=row_ok[:, None])
-    plgpu.store(lse_ref.at[token, head], lse, mask=row_ok)
+    if "plain_out" in page_mode:
+
+        @pl.when(num_tokens > 0)
+        def _():
+            o_ref[pl.ds(first_token, rows), kv_head, :] = out.astype(o_ref.dtype)
+            lse_ref[pl.ds(first_token, rows), kv_head] = lse
+    else:
+        plgpu.store(o_ref.at[q_at], out.astype(o_ref.dtype), mask=row_ok[:, None])
+        plgpu.store(lse_ref.at[token, head], lse, mask=row_ok)
 
 
 def ragged_paged_attention(
