@@ -108,22 +108,17 @@ def main() -> None:
         )
 
     variant("default", default)
-    dense32 = paged_inputs(32, T)
-    base_mode = "identity,static_loop"
-    for extra in ("", ",no_edge", ",plain_q", ",plain_out", ",no_edge,plain_q,plain_out"):
-        variant(
-            f"{base_mode}{extra} stages3 hkv32 page8192",
-            dataclasses.replace(default, page_mode=base_mode + extra, num_stages=3),
-            dense32,
-            causal=False,
-        )
-    variant(
-        "no_edge,plain_q,plain_out stages3 hkv32 page8192",
-        dataclasses.replace(default, page_mode="load,no_edge,plain_q,plain_out", num_stages=3),
-        dense32,
-        causal=False,
-    )
-    breakdown = kernel_breakdown_ms(ours(default), *base)
+    fix = dataclasses.replace(default, page_mode="load,fix_out")
+    variant("fix_out", fix)
+    for stages in (3, 4):
+        variant(f"fix_out stages{stages}", dataclasses.replace(fix, num_stages=stages))
+    for stages in (3, 4, 5):
+        variant(f"fix_out kv64 stages{stages}", dataclasses.replace(fix, block_kv=64, num_stages=stages))
+    variant("fix_out carry stages3", dataclasses.replace(fix, carry_page_ids=True, num_stages=3))
+    variant("fix_out page16", fix, paged_inputs(8, 16))
+    variant("fix_out,static_loop stages3", dataclasses.replace(fix, page_mode="identity,static_loop,fix_out", num_stages=3), paged_inputs(32, T), causal=False)
+    variant("fix_out", fix, causal=False)
+    breakdown = kernel_breakdown_ms(ours(fix), *base)
     print("breakdown", breakdown, flush=True)
     runner.records.append(dict(case="b1-t8192", impl="ours", variant="breakdown", kernels=breakdown))
     write_results(args.out, "triton_prefill_probe", runner.records)

@@ -270,8 +270,16 @@ def _prefill_kernel(
         state = lax.fori_loop(
             0, num_lead + tile_hi - full_hi, edge_tile, with_pages(state, edge_index(0))
         )
-    out, lse = finalize(*state[:3])
-    if "plain_out" in page_mode:
+    acc, m, l = state[:3]
+    out, lse = finalize(acc, m, l)
+    if "fix_out" in page_mode:
+        never = l < 0.0
+        token_out = token + never.astype(jnp.int32)
+        ok_out = row_ok & ~never
+        out_at = (token_out[:, None], head[:, None], dim)
+        plgpu.store(o_ref.at[out_at], out.astype(o_ref.dtype), mask=ok_out[:, None])
+        plgpu.store(lse_ref.at[token_out, head], lse, mask=ok_out)
+    elif "plain_out" in page_mode:
 
         @pl.when(num_tokens > 0)
         def _():
