@@ -61,15 +61,6 @@ VARIANTS = [
     ("mosaic persistent, unsorted", _CONFIG(longest_first=False), "rule"),
     ("mosaic one item per program", _CONFIG(persistent=False, longest_first=False), "rule"),
 ]
-import os as _os  # PROBE
-if _os.environ.get("PROBE_B1"):
-    VARIANTS = [
-        ("mosaic default", None, "rule"),
-        ("kv128 st3 nonpersistent", _CONFIG(num_stages=3, persistent=False), "rule"),
-        ("kv64 st4", _CONFIG(block_kv=64, num_stages=4), "rule"),
-        ("kv64 st6 nonpersistent", _CONFIG(block_kv=64, num_stages=6, persistent=False), "rule"),
-        ("kv128 st2 nonpersistent", _CONFIG(persistent=False), "rule"),
-    ]
 
 
 def make_inputs(batch: int, context, page_size: int, seed: int = 0):

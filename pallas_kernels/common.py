@@ -105,7 +105,7 @@ def dot_f32(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
         a,
         b,
         (((1,), (contract_b,)), ((), ())),
-        precision=lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT,
+        precision=lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
     )
 

@@ -76,9 +76,6 @@ class PrefillConfig:
     short_num_warps: int = 4
     short_num_stages: int = 3
     short_carry_page_ids: bool = True
-    heads_fastest: bool = False  # PROBE
-    single_loop: bool = False  # PROBE
-    page_mode: str = "load"  # PROBE
 
     @classmethod
     def default(cls, head_dim: int, dtype) -> PrefillConfig:
@@ -141,9 +138,6 @@ def _prefill_kernel(
     group: int,
     block_kv: int,
     carry_page_ids: bool,
-    heads_fastest: bool = False,
-    single_loop: bool = False,
-    page_mode: str = "load",
 ):
     """One q block of one KV head.
 
@@ -153,8 +147,6 @@ def _prefill_kernel(
     """
     o_ref, lse_ref = refs[-2:]
     block, kv_head = pl.program_id(0), pl.program_id(1)
-    if heads_fastest:
-        kv_head, block = pl.program_id(0), pl.program_id(1)
     page_size = k_ref.shape[1]
     head_dim = q_ref.shape[2]
     (
@@ -182,10 +174,7 @@ def _prefill_kernel(
     # Whole-array indices (no slices) so that masked loads and stores also run in interpret mode.
     dim = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     q_at = (token[:, None], head[:, None], dim)
-    if "plain_q" in page_mode:
-        q = q_ref[pl.ds(first_token, rows), kv_head, :]
-    else:
-        q = plgpu.load(q_ref.at[q_at], mask=row_ok[:, None], other=0.0)  # [rows, D]
+    q = plgpu.load(q_ref.at[q_at], mask=row_ok[:, None], other=0.0)  # [rows, D]
     q_pos = first_pos + token_in_block
 
     pages_per_seq = pages_ref.shape[1]
@@ -193,11 +182,6 @@ def _prefill_kernel(
     def tile_pages(index):
         """Page of every key of tile `index`, [block_kv]; 0 past the page-table row."""
         slot_page = lax.div(index * block_kv + jnp.arange(block_kv, dtype=jnp.int32), page_size)
-        if "identity" in page_mode:
-            return jnp.minimum(slot_page, pages_per_seq - 1)
-        if page_mode == "scalar":
-            one = pages_ref[seq, jnp.minimum(index * block_kv // page_size, pages_per_seq - 1)]
-            return jnp.full((block_kv,), one, jnp.int32)
         return plgpu.load(pages_ref.at[seq, slot_page], mask=slot_page < pages_per_seq, other=0)
 
     def tile(index, next_index, carry, *, masked: bool):
@@ -210,19 +194,13 @@ def _prefill_kernel(
             page = tile_pages(index)
         key = index * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
         kv_at = (page[:, None], lax.rem(key, page_size)[:, None], kv_head, dim)
-        def load_v():
-            if masked:
-                return plgpu.load(v_ref.at[kv_at], mask=(key < kv_len)[:, None], other=0.0)
-            return v_ref[kv_at]
-
         if masked:
             # Slots past kv_len may hold garbage, even NaN: keep them out of the loads.
             key_ok = key < kv_len
             k = plgpu.load(k_ref.at[kv_at], mask=key_ok[:, None], other=0.0)
+            v = plgpu.load(v_ref.at[kv_at], mask=key_ok[:, None], other=0.0)
         else:
-            k = k_ref[kv_at]
-        if "late_v" not in page_mode:
-            v = load_v()
+            k, v = k_ref[kv_at], v_ref[kv_at]
         logits = dot_f32(q, k, contract_b=1)  # [rows, block_kv]
         logits2 = logits_base2(logits, sm_scale, logits_soft_cap)
         if masked:
@@ -231,8 +209,6 @@ def _prefill_kernel(
             )
             logits2 = jnp.where(ok, logits2, -jnp.inf)
         m, l, alpha, p = online_softmax_step(m, l, logits2)
-        if "late_v" in page_mode:
-            v = load_v()
         pv = dot_f32(p.astype(v.dtype), v, contract_b=0)
         state = (acc * alpha[:, None] + pv, m, l)
         return (*state, next_page) if carry_page_ids else state
@@ -242,8 +218,6 @@ def _prefill_kernel(
 
     # The masked tiles are the window's leading edge [tile_lo, full_lo) and the causal
     # diagonal and kv_len end [full_hi, tile_hi): one loop walks both.
-    if single_loop:
-        full_lo = full_hi = tile_lo
     num_lead = full_lo - tile_lo
 
     def edge_index(i):
@@ -260,34 +234,23 @@ def _prefill_kernel(
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    if "static_loop" in page_mode:
-        state = lax.fori_loop(
-            0, pages_per_seq * page_size // block_kv, full_tile, with_pages(state, 0)
-        )
-    else:
-        state = lax.fori_loop(full_lo, full_hi, full_tile, with_pages(state, full_lo))
-    if "no_edge" not in page_mode:
-        state = lax.fori_loop(
-            0, num_lead + tile_hi - full_hi, edge_tile, with_pages(state, edge_index(0))
-        )
+    state = lax.fori_loop(full_lo, full_hi, full_tile, with_pages(state, full_lo))
+    state = lax.fori_loop(
+        0, num_lead + tile_hi - full_hi, edge_tile, with_pages(state, edge_index(0))
+    )
     acc, m, l = state[:3]
     out, lse = finalize(acc, m, l)
-    if "fix_out" in page_mode:
-        never = l < 0.0
-        token_out = token + never.astype(jnp.int32)
-        ok_out = row_ok & ~never
-        out_at = (token_out[:, None], head[:, None], dim)
-        plgpu.store(o_ref.at[out_at], out.astype(o_ref.dtype), mask=ok_out[:, None])
-        plgpu.store(lse_ref.at[token_out, head], lse, mask=ok_out)
-    elif "plain_out" in page_mode:
-
-        @pl.when(num_tokens > 0)
-        def _():
-            o_ref[pl.ds(first_token, rows), kv_head, :] = out.astype(o_ref.dtype)
-            lse_ref[pl.ds(first_token, rows), kv_head] = lse
-    else:
-        plgpu.store(o_ref.at[q_at], out.astype(o_ref.dtype), mask=row_ok[:, None])
-        plgpu.store(lse_ref.at[token, head], lse, mask=row_ok)
+    # The store's rows must not be the very index arrays of the Q load: Triton would then
+    # compute the [rows, D] pointer tensor once and keep it in registers across the K/V loops
+    # (255 registers per thread and spills; 313 TFLOP/s on the H200 against 418 without it,
+    # benchmarks/NOTES.md). `l` is a sum of exponentials, never negative, so `never` is all
+    # false; the compiler cannot know that, and computes the store's pointers after the loops.
+    never = l < 0.0
+    token_out = token + never.astype(jnp.int32)
+    ok_out = row_ok & ~never
+    out_at = (token_out[:, None], head[:, None], dim)
+    plgpu.store(o_ref.at[out_at], out.astype(o_ref.dtype), mask=ok_out[:, None])
+    plgpu.store(lse_ref.at[token_out, head], lse, mask=ok_out)
 
 
 def ragged_paged_attention(
@@ -422,9 +385,6 @@ def _ragged_paged_attention(
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
         interpret=interpret,
-        heads_fastest=config.heads_fastest,
-        single_loop=config.single_loop,
-        page_mode=config.page_mode,
         **options,
     )
     if not short_tokens:
@@ -512,9 +472,6 @@ def _launch(
     sliding_window,
     logits_soft_cap,
     interpret,
-    heads_fastest=False,
-    single_loop=False,
-    page_mode="load",
 ):
     """One launch of the kernel over the q blocks of `plan`. It writes only the rows of its
     blocks: `outputs`, when given, are (out, lse) buffers that it updates in place."""
@@ -534,14 +491,10 @@ def _launch(
         group=num_q_heads // num_kv_heads,
         block_kv=block_kv,
         carry_page_ids=carry_page_ids,
-        heads_fastest=heads_fastest,
-        single_loop=single_loop,
-        page_mode=page_mode,
     )
-    grid = (num_kv_heads, plan.shape[1]) if heads_fastest else (plan.shape[1], num_kv_heads)
     return pl.pallas_call(
         kernel,
-        grid=grid,
+        grid=(plan.shape[1], num_kv_heads),
         out_shape=_out_shapes(q),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
