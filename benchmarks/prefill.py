@@ -202,6 +202,29 @@ def cudnn_dense_fn(q, k, v, kv_lens, table, cu_q_lens, num_seqs):
     return out.reshape(q.shape)
 
 
+def mha_dense_fn(num_stages: int, interpret: bool) -> Callable:
+    """JAX's dense Pallas-Triton flash attention (`mha`, deprecated with the Triton lowering),
+    causal at its default tiles, on contiguous K/V already repeated to Hq heads."""
+
+    def fn(q, k, v, kv_lens, table, cu_q_lens, num_seqs):
+        del table, cu_q_lens, num_seqs
+        from jax.experimental.pallas.ops.gpu import attention
+
+        out = attention.mha(
+            _dense_shape(q, kv_lens.shape[0]),
+            k,
+            v,
+            None,
+            sm_scale=SCALE,
+            causal=True,
+            num_stages=num_stages,
+            interpret=interpret,
+        )
+        return out.reshape(q.shape)
+
+    return fn
+
+
 def dense_kv(inputs: Inputs) -> tuple[jax.Array, jax.Array]:
     """K, V [B, L, Hkv, D] in sequence order, for the dense anchor."""
 
@@ -273,7 +296,17 @@ def run_prompts(
     if dense:
         try:
             k, v = dense_kv(inputs)
-            anchors.append(("cudnn-dense", cudnn_dense_fn, (inputs.q, k, v, *args[3:])))
+            dense_args = (inputs.q, k, v, *args[3:])
+            anchors.append(("cudnn-dense", cudnn_dense_fn, dense_args))
+            # `mha` has no GQA: K/V repeated to Hq heads outside the timed call. Its default
+            # is 2 stages; 3 is its best on the H200 (432 against 402 TFLOP/s at B=1 T=8192,
+            # run 20).
+            group = NUM_Q_HEADS // NUM_KV_HEADS
+            mha_args = (inputs.q, *(jnp.repeat(x, group, axis=2) for x in (k, v)), *args[3:])
+            for stages in (2, 3):
+                anchors.append(
+                    (f"mha-dense-stages{stages}", mha_dense_fn(stages, interpret), mha_args)
+                )
         except Exception as e:  # noqa: BLE001 - e.g. out of memory
             runner.records.append(dict(case=batch.name, impl="cudnn-dense", error=repr(e)[:300]))
     for impl, fn, anchor_args in anchors:
