@@ -4,7 +4,8 @@
 
 bf16, Hq=32, Hkv=8, D=128, page 64. In order:
 1. causal prompts (q_len == kv_len) B=1 T=8192 and B=4 T=2048: our kernel with its default
-   config, cuDNN paged prefill (private JAX API) and cuDNN dense `dot_product_attention`;
+   config, cuDNN paged prefill (private JAX API), cuDNN dense `dot_product_attention` and JAX's
+   dense Pallas-Triton `mha` (2 and 3 stages);
 2. a mixed step, 4 chunks of 512 on 2048-token prefixes plus 60 decode tokens (ctx U[1536,
    2560]), in one call against the sum of its parts run separately (both by this kernel; the
    decode tokens also by the Triton decode kernel), and in one launch (`short_block_q=0`)
