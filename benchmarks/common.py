@@ -26,7 +26,7 @@ def kernel_time_ms(fn: Callable, *args, iterations: int = 20) -> float:
 
     Falls back to wall-clock timing with `block_until_ready` where CUPTI is unavailable.
     """
-    fn = jax.jit(fn)
+    fn = _jitted(fn)
     jax.block_until_ready(fn(*args))
     try:
         from jax.experimental.mosaic.gpu import profiler
@@ -42,7 +42,7 @@ def kernel_breakdown_ms(fn: Callable, *args, iterations: int = 20) -> list[tuple
     order (GPU only)."""
     from jax.experimental.mosaic.gpu import profiler
 
-    fn = jax.jit(fn)
+    fn = _jitted(fn)
     jax.block_until_ready(fn(*args))
     _, per_call = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
     names = [name for name, _ in per_call[0]]
@@ -50,6 +50,11 @@ def kernel_breakdown_ms(fn: Callable, *args, iterations: int = 20) -> list[tuple
         (name, float(statistics.median(call[i][1] for call in per_call)))
         for i, name in enumerate(names)
     ]
+
+
+def _jitted(fn: Callable) -> Callable:
+    """`fn` under `jax.jit`, unless it is jitted already (one compilation for several timings)."""
+    return fn if hasattr(fn, "lower") else jax.jit(fn)
 
 
 def error_text(e: BaseException) -> str:

@@ -53,8 +53,8 @@ GOALS = {"b1-ctx32768-ps16": 3.7, "b1-ctx32768-ps64": 3.7, "b64-ragged4096-ps16"
 
 _CONFIG = mosaic.MosaicDecodeConfig
 # (label, config or None for the default, splits: "rule" or a multiple of the rule's count).
-# Earlier runs timed 2x and 4x
-# splits, small configs and the first default (results/mosaic_decode_h200_run*.json); this set
+# Earlier runs timed 2x and 4x splits, small configs, the first default and a pool of steps
+# shared by the splits (branch `step-pool`; results/mosaic_decode_h200_run*.json); this set
 # times the persistent default against its unsorted form and the one-item-per-program grid.
 VARIANTS = [
     ("mosaic default", None, "rule"),
@@ -155,7 +155,9 @@ def triton_fn(**config):
     return fn
 
 
-def run(iterations: int, cases=None, breakdown: bool = False) -> list[dict]:
+def run(iterations: int, cases=None, breakdown: bool = False, out=None) -> list[dict]:
+    """Times every case; with `out`, rewrites the results file after each case (a run cut
+    short keeps what it measured)."""
     rows = []
     for name, batch, context, page_size in CASES:
         if cases and name not in cases:
@@ -167,21 +169,25 @@ def run(iterations: int, cases=None, breakdown: bool = False) -> list[dict]:
         for label, config, how in VARIANTS:
             splits = mosaic_splits(config, how, batch, max_len)
             kernels.append((label, splits, lambda c=config, n=splits: mosaic_fn(c, n)))
-        kernels += [
-            ("cudnn paged", None, cudnn_fn),
-            ("triton", None, triton_fn),
-            ("triton XLA merge", None, lambda: triton_fn(merge_kernel=False)),
-        ]
+        kernels += [("cudnn paged", None, cudnn_fn), ("triton", None, triton_fn)]
         case_rows = []
         for label, splits, make in kernels:
             row = dict(case=name, kernel=label, kv_bytes=nbytes, splits=splits)
             try:
-                ms = kernel_time_ms(make(), *inputs, iterations=iterations)
+                fn = jax.jit(make())  # one compilation for every timing of the row
+                ms = kernel_time_ms(fn, *inputs, iterations=iterations)
                 row.update(ms=ms, tb_s=nbytes / (ms * 1e-3) / 1e12)
                 if breakdown:
-                    row["kernels"] = kernel_breakdown_ms(make(), *inputs, iterations=iterations)
+                    row["kernels"] = kernel_breakdown_ms(fn, *inputs, iterations=iterations)
+                    # What XLA runs besides kernels (a memset is not a kernel to CUPTI).
+                    row["thunks"] = compiled_ops(fn, *inputs)
             except Exception as e:  # noqa: BLE001 - record and go on to the next kernel
                 row["error"] = error_text(e)
+            print(
+                f"  {name:20} {label:28} {row.get('ms', 0) * 1e3:8.2f} us "
+                f"{row.get('tb_s', 0):6.3f} TB/s {row.get('error', '')}",
+                flush=True,
+            )
             case_rows.append(row)
         cudnn_ms = next((r.get("ms") for r in case_rows if r["kernel"] == "cudnn paged"), None)
         goal = GOALS.get(name)
@@ -193,8 +199,17 @@ def run(iterations: int, cases=None, breakdown: bool = False) -> list[dict]:
                     goal if goal else (cudnn_ms and nbytes / (cudnn_ms * 1e-3) / 1e12)
                 )
         rows += case_rows
+        if out:
+            write_results(out, "mosaic_decode", rows)
         del inputs
     return rows
+
+
+def compiled_ops(fn, *args) -> list[str]:
+    """The instructions of the compiled entry computation, one line each, shortened."""
+    text = fn.lower(*args).compile().as_text()
+    entry = text[text.index("ENTRY") :]
+    return [line.strip()[:160] for line in entry.splitlines()[1:] if "=" in line]
 
 
 def profile(cases, out_dir: str) -> list[dict]:
@@ -321,7 +336,7 @@ def main():
     if args.profile_dir:
         write_results(args.out, "mosaic_decode_profile", profile(args.cases, args.profile_dir))
         return
-    rows = run(args.iterations, args.cases, args.breakdown)
+    rows = run(args.iterations, args.cases, args.breakdown, out=args.out)
     for row in rows:
         for kernel, ms in row.get("kernels", []):
             print(f"  {row['case']:20} {row['kernel']:40} {ms * 1e3:8.2f} us  {kernel[:60]}")
