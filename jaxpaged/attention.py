@@ -108,14 +108,20 @@ def resolve_implementation(
     *,
     head_dim: int | None = None,
     page_size: int | None = None,
+    **decode_shape: int,
 ) -> str:
     """The backend that `implementation` means for `op` ("ragged" or "decode") and inputs of
-    `dtype` (and `head_dim`, `page_size` when given) on the default device: `None` resolves to
-    the best available one that takes such inputs; an explicit name is returned as is, or
-    raises `ValueError` listing what is available."""
+    `dtype` (and `head_dim`, `page_size` when given; for decode also `num_seqs`,
+    `num_kv_heads` and `max_kv_len`, the tokens a page table row holds) on the default device:
+    `None` resolves to the best available one that takes such inputs; an explicit name is
+    returned as is, or raises `ValueError` listing what is available."""
+    unknown = set(decode_shape) - {"num_seqs", "num_kv_heads", "max_kv_len"}
+    if unknown or (decode_shape and op != "decode"):
+        raise TypeError(f"resolve_implementation({op!r}) got unexpected {sorted(decode_shape)}")
     available = available_implementations(op)
     if implementation is None:
-        shape = {k: v for k, v in dict(head_dim=head_dim, page_size=page_size).items() if v}
+        shape = dict(head_dim=head_dim, page_size=page_size, **decode_shape)
+        shape = {k: v for k, v in shape.items() if v}
         for name in _PREFERENCE[op].get(_platform(), ("xla",)):
             if name in available and _preferred(op, name, dtype, shape):
                 return name
@@ -337,7 +343,14 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be None or an int >= 1; got {num_splits!r}")
     _check_options(sm_scale, sliding_window, logits_soft_cap)
     name = resolve_implementation(
-        "decode", implementation, q.dtype, head_dim=q.shape[-1], page_size=k_pages.shape[1]
+        "decode",
+        implementation,
+        q.dtype,
+        head_dim=q.shape[-1],
+        page_size=k_pages.shape[1],
+        num_seqs=q.shape[0],
+        num_kv_heads=k_pages.shape[2],
+        max_kv_len=page_indices.shape[1] * k_pages.shape[1],
     )
     out, lse = _decode_jit(
         q,

@@ -67,8 +67,11 @@ _DEFAULT_STAGE_BYTES = 128 * 1024
 # A split does at least this many pipeline steps (when the sequence has them): shorter splits
 # spend more time filling and draining the copy pipeline than streaming.
 _MIN_STEPS_PER_SPLIT = 4
-# Flipped by the lead once H200 benchmarks show this kernel beats the Triton decode kernel.
-_PREFERRED_ON_SM90 = False
+# `implementation=None` picks this kernel on sm_90 (see `is_preferred`).
+_PREFERRED_ON_SM90 = True
+# Contexts up to this many tokens, in batches of more (sequence, KV head) pairs than twice the
+# SMs, stay with the Triton kernel (`is_preferred`).
+_SHORT_CONTEXT = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +150,41 @@ def choose_num_splits(
     return max(1, min(num_sms // programs, by_length))
 
 
-def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> bool:
-    """Whether `implementation=None` may pick this kernel for such inputs: bf16/f16 and shapes
-    it takes on sm_90 devices only, and only once benchmarks show it ahead of the Triton decode
-    kernel."""
+def is_preferred(
+    dtype: jnp.dtype,
+    head_dim: int = 128,
+    page_size: int = 16,
+    *,
+    num_seqs: int | None = None,
+    num_kv_heads: int | None = None,
+    max_kv_len: int | None = None,
+) -> bool:
+    """Whether `implementation=None` picks this kernel: bf16/f16 inputs of shapes it takes, on
+    an sm_90 device, except for many short sequences.
+
+    Over the H200 decode suite (run 19, `benchmarks/results/h200_decode.json`) this kernel was
+    0.99-1.32x the Triton kernel's speed (geomean 1.09x) on 20 of 22 cases, but 0.87-0.88x at
+    B=64 with 512-token contexts: 512 items of four steps each, where a persistent program's
+    fixed costs per item (Q copy, output write) outweigh the Triton kernel's small programs.
+    So a batch whose page table holds at most `_SHORT_CONTEXT` tokens per sequence
+    (`max_kv_len`, static) with more than two (sequence, KV head) items per SM stays with the
+    Triton kernel. Without `num_seqs`, `num_kv_heads` and `max_kv_len` only the first part
+    is checked.
+
+    >>> _short_and_many(num_seqs=64, num_kv_heads=8, max_kv_len=512)
+    True
+    """
     block_kv = default_config(head_dim).block_kv
-    return preferred(_PREFERRED_ON_SM90, dtype, head_dim, page_size, block_kv)
+    if not preferred(_PREFERRED_ON_SM90, dtype, head_dim, page_size, block_kv):
+        return False
+    if None in (num_seqs, num_kv_heads, max_kv_len):
+        return True
+    return not _short_and_many(num_seqs, num_kv_heads, max_kv_len)
+
+
+def _short_and_many(num_seqs: int, num_kv_heads: int, max_kv_len: int) -> bool:
+    """Many short items: where the Triton decode kernel is ahead (`is_preferred`)."""
+    return max_kv_len <= _SHORT_CONTEXT and num_seqs * num_kv_heads > 2 * H200_NUM_SMS
 
 
 def paged_decode_attention(
