@@ -167,9 +167,9 @@ def is_preferred(
     B=64 with 512-token contexts: 512 items of four steps each, where a persistent program's
     fixed costs per item (Q copy, output write) outweigh the Triton kernel's small programs.
     So a batch whose page table holds at most `_SHORT_CONTEXT` tokens per sequence
-    (`max_kv_len`, static) with more than two (sequence, KV head) items per SM stays with the
-    Triton kernel. Without `num_seqs`, `num_kv_heads` and `max_kv_len` only the first part
-    is checked.
+    (`max_kv_len`, static) with more than two (sequence, KV head) items per SM of the device
+    stays with the Triton kernel. Without `num_seqs`, `num_kv_heads` and `max_kv_len` only
+    the first part is checked.
 
     >>> _short_and_many(num_seqs=64, num_kv_heads=8, max_kv_len=512)
     True
@@ -179,12 +179,14 @@ def is_preferred(
         return False
     if None in (num_seqs, num_kv_heads, max_kv_len):
         return True
-    return not _short_and_many(num_seqs, num_kv_heads, max_kv_len)
+    return not _short_and_many(num_seqs, num_kv_heads, max_kv_len, device_num_sms())
 
 
-def _short_and_many(num_seqs: int, num_kv_heads: int, max_kv_len: int) -> bool:
+def _short_and_many(
+    num_seqs: int, num_kv_heads: int, max_kv_len: int, num_sms: int = H200_NUM_SMS
+) -> bool:
     """Many short items: where the Triton decode kernel is ahead (`is_preferred`)."""
-    return max_kv_len <= _SHORT_CONTEXT and num_seqs * num_kv_heads > 2 * H200_NUM_SMS
+    return max_kv_len <= _SHORT_CONTEXT and num_seqs * num_kv_heads > 2 * num_sms
 
 
 def paged_decode_attention(
