@@ -117,7 +117,8 @@ def resolve_implementation(
     returned as is, or raises `ValueError` listing what is available."""
     unknown = set(decode_shape) - {"num_seqs", "num_kv_heads", "max_kv_len"}
     if unknown or (decode_shape and op != "decode"):
-        raise TypeError(f"resolve_implementation({op!r}) got unexpected {sorted(decode_shape)}")
+        bad = sorted(unknown or decode_shape)
+        raise TypeError(f"resolve_implementation({op!r}) got unexpected keywords {bad}")
     available = available_implementations(op)
     if implementation is None:
         shape = dict(head_dim=head_dim, page_size=page_size, **decode_shape)

@@ -17,6 +17,7 @@ import pytest
 import jaxpaged
 from pallas_kernels.common import poison_outputs
 from pallas_kernels.mosaic import paged_decode as mosaic
+from pallas_kernels.mosaic.common import on_sm90
 from tests.helpers import assert_close, lower_for_cuda, make_batch, oracle
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -172,11 +173,6 @@ def test_config_is_validated(options):
         mosaic.MosaicDecodeConfig(**options)
 
 
-def _on_hopper() -> bool:
-    device = jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
-
-
 @pytest.mark.parametrize(
     "num_seqs,max_kv_len,short_and_many",
     [
@@ -206,7 +202,7 @@ def test_implementation_none_picks(num_seqs, max_kv_len, on_hopper_picks):
     picked = jaxpaged.resolve_implementation(
         "decode", None, jnp.bfloat16, **shape, max_kv_len=max_kv_len
     )
-    if _on_hopper():
+    if on_sm90():
         assert picked == on_hopper_picks
     else:
         assert picked in ("triton", "xla")

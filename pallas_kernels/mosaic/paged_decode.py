@@ -170,9 +170,6 @@ def is_preferred(
     (`max_kv_len`, static) with more than two (sequence, KV head) items per SM of the device
     stays with the Triton kernel. Without `num_seqs`, `num_kv_heads` and `max_kv_len` only
     the first part is checked.
-
-    >>> _short_and_many(num_seqs=64, num_kv_heads=8, max_kv_len=512)
-    True
     """
     block_kv = default_config(head_dim).block_kv
     if not preferred(_PREFERRED_ON_SM90, dtype, head_dim, page_size, block_kv):
