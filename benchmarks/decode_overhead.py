@@ -57,6 +57,13 @@ def empty_kernel(smem_bytes: int, programs: int = 132):
     )
 
 
+def _chain(one):
+    def fn(qs, k, v, lens, table):
+        return [one(q, k, v, lens, table) for q in qs]
+
+    return fn
+
+
 def _then_merge(empty):
     def fn(o, l):
         x = empty()
@@ -119,6 +126,47 @@ def main():
                 us = (time.perf_counter() - t0) * 1e4
                 add(case=case, what=f"100 calls in flight {name}", us_per_call=round(us, 2))
         del inputs, partials
+
+    # Fixed costs of the attention kernel: 16 splits of equal work over shorter contexts
+    # (time = fixed + bytes / bandwidth), and a 32k table whose sequence is empty.
+    for ctx in (2048, 4096, 8192, 16384, 32768):
+        inputs = make_inputs(1, ctx, 16)
+        with mock.patch.object(mosaic, "merge_partials", lambda o, l, out_dtype: (o, l)):
+            fn = jax.jit(mosaic_fn(None, 16))
+            jax.block_until_ready(fn(*inputs))
+        add(
+            what=f"attention kernel alone, 16 splits, ctx {ctx}",
+            mb=round(kv_bytes(inputs[3]) / 1e6, 3),
+            kernels=kernels(fn, *inputs, iterations=it),
+        )
+        if ctx == 32768:
+            empty_seq = (*inputs[:3], jnp.zeros_like(inputs[3]), inputs[4])
+            add(
+                what="attention kernel alone, kv_len 0",
+                kernels=kernels(fn, *empty_seq, iterations=it),
+            )
+
+    # A chain of calls in one executable: the GPU time per call with every gap between
+    # kernels (and any memset) counted, host dispatch amortized.
+    inputs = make_inputs(1, 32768, 16)
+    qs = [
+        jax.random.normal(jax.random.key(10 + i), inputs[0].shape, inputs[0].dtype)
+        for i in range(32)
+    ]
+    for name, one in (("default", mosaic_fn(None, None)), ("cudnn paged", cudnn_fn())):
+        chain = jax.jit(_chain(one))
+        jax.block_until_ready(chain(qs, *inputs[1:]))
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            jax.block_until_ready(chain(qs, *inputs[1:]))
+            times.append((time.perf_counter() - t0) * 1e6 / len(qs))
+        times.sort()
+        add(
+            what=f"chain of 32 calls {name}",
+            us_per_call=round(times[len(times) // 2], 2),
+            tb_s=round(kv_bytes(inputs[3]) / times[len(times) // 2] / 1e6, 3),
+        )
 
     merge_in = (
         jax.random.normal(jax.random.key(1), (1, 16, 32, 128), jnp.float32),
