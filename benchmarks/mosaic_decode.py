@@ -48,19 +48,30 @@ CASES = [
     ("b1-ctx32768-ps64", 1, 32768, 64),
     ("b64-ragged4096-ps16", 64, "ragged", 16),
 ]
+# Cases either side of `implementation=None`'s thresholds (`mosaic.is_preferred`: contexts of
+# at most 1024 tokens with more than two (sequence, KV head) items per SM stay with Triton),
+# run only when named in `--cases`.
+DISPATCH_CASES = [
+    ("b16-ctx1024-ps16", 16, 1024, 16),
+    ("b32-ctx512-ps16", 32, 512, 16),
+    ("b64-ctx1024-ps16", 64, 1024, 16),
+    ("b256-ctx1024-ps16", 256, 1024, 16),
+    ("b256-ctx2048-ps16", 256, 2048, 16),
+    ("b256-ctx4096-ps16", 256, 4096, 16),
+]
 # Goals of the issue in TB/s of KV (cuDNN's own number is the goal where it is None).
 GOALS = {"b1-ctx32768-ps16": 3.7, "b1-ctx32768-ps64": 3.7, "b64-ragged4096-ps16": 3.9}
 
 _CONFIG = mosaic.MosaicDecodeConfig
 # (label, config or None for the default, splits: "rule" or a multiple of the rule's count).
-# Earlier runs timed 2x and 4x splits, small configs, the first default and a pool of steps
-# shared by the splits (branch `step-pool`; results/mosaic_decode_h200_run*.json); this set
+# Earlier runs timed 2x and 4x splits, small configs, the first default, a pool of steps
+# shared by the splits (branch `step-pool`; results/mosaic_decode_h200_run*.json) and TMA
+# prefetches of later steps into L2 (run 35: 15-40% slower, removed); this set
 # times the persistent default against its unsorted form and the one-item-per-program grid.
 VARIANTS = [
     ("mosaic default", None, "rule"),
-    ("mosaic prefetch 3", _CONFIG(prefetch_steps=3), "rule"),
-    ("mosaic prefetch 4", _CONFIG(prefetch_steps=4), "rule"),
-    ("mosaic prefetch 6", _CONFIG(prefetch_steps=6), "rule"),
+    ("mosaic persistent, unsorted", _CONFIG(longest_first=False), "rule"),
+    ("mosaic one item per program", _CONFIG(persistent=False, longest_first=False), "rule"),
 ]
 
 
@@ -160,12 +171,15 @@ def run(iterations: int, cases=None, breakdown: bool = False, out=None) -> list[
     """Times every case; with `out`, rewrites the results file after each case (a run cut
     short keeps what it measured)."""
     rows = []
-    for name, batch, context, page_size in CASES:
-        if cases and name not in cases:
-            continue
+    known = {case[0]: case for case in CASES + DISPATCH_CASES}
+    if unknown := set(cases or ()) - set(known):
+        raise SystemExit(f"unknown cases {sorted(unknown)}; known: {sorted(known)}")
+    for name, batch, context, page_size in [known[c] for c in cases] if cases else CASES:
         inputs = make_inputs(batch, context, page_size)
         nbytes = kv_bytes(inputs[3])
         max_len = inputs[4].shape[1] * page_size
+        # What `implementation=None` runs for this batch on the H200.
+        picks = "triton" if mosaic._short_and_many(batch, NUM_KV_HEADS, max_len) else "mosaic"
         kernels = []
         for label, config, how in VARIANTS:
             splits = mosaic_splits(config, how, batch, max_len)
@@ -174,7 +188,7 @@ def run(iterations: int, cases=None, breakdown: bool = False, out=None) -> list[
         case_rows = []
         reference = None
         for label, splits, make in kernels:
-            row = dict(case=name, kernel=label, kv_bytes=nbytes, splits=splits)
+            row = dict(case=name, kernel=label, kv_bytes=nbytes, splits=splits, rule_picks=picks)
             try:
                 fn = jax.jit(make())  # one compilation for every timing of the row
                 if label.startswith("mosaic"):  # variants of the default: same numbers
