@@ -99,10 +99,6 @@ class MosaicDecodeConfig:
         a ragged batch went from 3.49 to 3.90 TB/s of KV, uniform ones stayed within 2%.
       merge_kernel: merge the splits in one Pallas kernel (`pallas_kernels.triton.merge`);
         False: in XLA (`pallas_kernels.common.merge_partial_states`, several small kernels).
-      prefetch_steps: as the copy warpgroup loads step i into shared memory it starts step
-        `i + prefetch_steps` on its way into L2 (TMA prefetch; the steps between the stages
-        and the first such one are prefetched when the item starts), so that HBM has that
-        many steps of each program in flight rather than `num_stages`. 0: no prefetch.
     """
 
     block_kv: int = 128
@@ -110,15 +106,9 @@ class MosaicDecodeConfig:
     longest_first: bool = True
     persistent: bool = True
     merge_kernel: bool = True
-    prefetch_steps: int = 0
 
     def __post_init__(self):
         check_pipeline(self.block_kv, self.num_stages)
-        if self.prefetch_steps and self.prefetch_steps <= self.num_stages:
-            raise ValueError(
-                f"prefetch_steps must be 0 or more than num_stages ({self.num_stages}): the "
-                f"stages are loaded at once; got {self.prefetch_steps}"
-            )
 
 
 def default_config(head_dim: int) -> MosaicDecodeConfig:
@@ -382,7 +372,6 @@ def _make_body(
     running on into the next item's pages while compute finishes the last one's steps."""
     block_kv, stages = config.block_kv, config.num_stages
     pages_per_step = block_kv // page_size
-    prefetch_steps = config.prefetch_steps
     ordered = _sorts(config, items_per_program)
 
     def body(q_ref, k_ref, v_ref, lens_ref, table_ref, *refs):
@@ -459,37 +448,20 @@ def _make_body(
             # (an L2 hit); its rows are masked like every row past kv_len.
             last_page = (jnp.maximum(kv_len, 1) - 1) // page_size
 
-            def pages_of(i):
+            def step(i, count):
+                slot = lax.rem(count, stages)
                 first_page = (step0 + i) * pages_per_step
-                return [
+                pages = [
                     jnp.clip(
                         table_ref[seq, jnp.minimum(first_page + j, last_page)], 0, num_pages - 1
                     )
                     for j in range(pages_per_step)
                 ]
-
-            def prefetch(i):
-                """Starts bringing step i's pages into L2 (nothing if the item has no step i)."""
-
-                @pl.when(i < num_steps)
-                def _prefetch():
-                    for page in pages_of(i):
-                        plgpu.async_prefetch(k_ref.at[page, :, kv_head, :])
-                        plgpu.async_prefetch(v_ref.at[page, :, kv_head, :])
-
-            def step(i, count):
-                slot = lax.rem(count, stages)
                 # K first: its stage is released before V's (after Q K^T, not P V).
-                pages = pages_of(i)
                 fill_stage(k_ref, k_smem, k_ready, k_free, kv_head, count, slot, pages)
                 fill_stage(v_ref, v_smem, v_ready, v_free, kv_head, count, slot, pages)
-                if prefetch_steps:
-                    prefetch(i + prefetch_steps)
                 return count + 1
 
-            # Steps past the shared-memory stages, up to the first one the loop prefetches.
-            for i in range(stages, prefetch_steps):
-                prefetch(i)
             return lax.fori_loop(0, num_steps, step, count)
 
         @jax.named_scope("epilogue")
