@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jaxpaged
 from pallas_kernels.common import poison_outputs
@@ -244,20 +245,49 @@ def test_default_config(head_dim, block_kv, num_stages):
     assert mosaic.default_config(head_dim) == want
 
 
-def test_persistent_grid_and_sort():
-    """A persistent call launches one program per SM at most and sorts the slots only when
-    a program has more than one item; the sort is one XLA sort over kv_lens."""
-    # 3 slots x 8 KV heads x 1 split = 24 items: 24 programs of one item, no sort.
-    small = _lower_for_hopper(
-        _mosaic_fn(num_splits=1), *_abstract_args(128, 32, 8, 16, jnp.bfloat16)
-    )
-    assert "stablehlo.sort" not in small
-    # 64 slots x 8 KV heads = 512 items over at most 132 programs: sorted.
+def test_persistent_grid_and_order():
+    """A persistent call launches one program per SM at most and orders the slots by length
+    only when a program has more than one item: inside the kernel up to `_MAX_SLOTS_RANKED`
+    slots, by one XLA sort over kv_lens beyond."""
+    # 3 slots x 8 KV heads x 1 split = 24 items: 24 programs of one item, no order.
+    args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
+    assert mosaic._ordering(mosaic.default_config(128), 1, 3) is None
+    assert "stablehlo.sort" not in _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    # 64 slots x 8 KV heads = 512 items over at most 132 programs: ordered in the kernel.
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16, seqs=64)
+    assert mosaic._ordering(mosaic.default_config(128), 4, 64) == "kernel"
+    text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    ops = {line.split("=", 1)[-1].split()[0] for line in text.splitlines() if "stablehlo." in line}
+    assert ops == {"stablehlo.custom_call"}, ops
+    # More slots than the kernel ranks: one XLA sort.
+    slots = mosaic._MAX_SLOTS_RANKED + 1
+    args = _abstract_args(128, 32, 8, 16, jnp.bfloat16, seqs=slots)
     text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     assert text.count("stablehlo.sort") == 1 and "stablehlo.negate" not in text
     plain = mosaic.MosaicDecodeConfig(longest_first=False)
     assert "stablehlo.sort" not in _lower_for_hopper(_mosaic_fn(num_splits=1, config=plain), *args)
+
+
+def _ranked_slots(kv_lens):
+    """`_order_slots` alone, in one warpgroup: the slots of kv_lens, longest first."""
+    num = kv_lens.shape[0]
+
+    def body(lens_ref, out_ref, lens_smem, order_smem):
+        mosaic._order_slots(lens_ref, lens_smem, order_smem)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(order_smem, out_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num,), jnp.int32),
+        scratch_types=(plgpu.SMEM((num,), jnp.int32), plgpu.SMEM((num,), jnp.int32)),
+    )(kv_lens)
+
+
+def test_ranking_cross_lowers():
+    lens = jax.ShapeDtypeStruct((132,), jnp.int32)
+    assert "mosaic_gpu" in _lower_for_hopper(_ranked_slots, lens)
 
 
 # ---------------------------------------------------------------------------- on the H200
@@ -390,6 +420,38 @@ def test_persistent_programs_walk_many_items(num_splits, longest_first):
     )
     config = mosaic.MosaicDecodeConfig(persistent=True, longest_first=longest_first)
     out, lse = _run(batch, num_splits=num_splits, config=config)
+    assert_close(out, lse, *oracle(batch), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_slots", [4, 132, 200, 256])
+def test_ranking_is_longest_first(num_slots):
+    """Every slot once, by decreasing kv_len, ties by slot: up to two slots per thread, with
+    repeated lengths, zeros and a length past the page table (ranked as given)."""
+    rng = np.random.default_rng(num_slots)
+    lens = rng.integers(0, 40, size=num_slots).astype(np.int32)
+    lens[-1] = 10**6
+    got = np.asarray(jax.jit(_ranked_slots)(jnp.asarray(lens)))
+    np.testing.assert_array_equal(got, np.lexsort((np.arange(num_slots), -lens)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_slots", [130, mosaic._MAX_SLOTS_RANKED + 4])
+def test_many_slots_ordered(num_slots):
+    """Ragged slots with repeated lengths and inactive ones, several items per program:
+    ordered inside the kernel (130 slots, two per ranking thread) or by XLA's sort."""
+    rng = np.random.default_rng(num_slots)
+    lens = [int(n) for n in rng.choice([0, 1, 17, 64, 130, 300], size=num_slots)]
+    batch = _decode_batch(
+        rng,
+        lens,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=jnp.bfloat16,
+    )
+    out, lse = _run(batch)
     assert_close(out, lse, *oracle(batch), jnp.bfloat16)
 
 
