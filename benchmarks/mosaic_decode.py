@@ -49,11 +49,15 @@ CASES = [
     ("b64-ragged4096-ps16", 64, "ragged", 16),
 ]
 # Cases either side of `implementation=None`'s thresholds (`mosaic.is_preferred`: contexts of
-# at most 1024 tokens with more than two (sequence, KV head) items per SM stay with Triton),
-# run only when named in `--cases`.
+# at most 512 tokens with more than two (sequence, KV head) items per SM stay with Triton) and
+# of the in-kernel ordering's (`mosaic._MAX_SLOTS_RANKED`), run only when named in `--cases`.
 DISPATCH_CASES = [
     ("b16-ctx1024-ps16", 16, 1024, 16),
     ("b32-ctx512-ps16", 32, 512, 16),
+    ("b64-ctx512-ps16", 64, 512, 16),
+    ("b256-ctx512-ps16", 256, 512, 16),
+    ("b128-ragged4096-ps16", 128, "ragged", 16),
+    ("b256-ragged4096-ps16", 256, "ragged", 16),
     ("b64-ctx1024-ps16", 64, 1024, 16),
     ("b256-ctx1024-ps16", 256, 1024, 16),
     ("b256-ctx2048-ps16", 256, 2048, 16),

@@ -72,11 +72,12 @@ _DEFAULT_STAGE_BYTES = 128 * 1024
 _MIN_STEPS_PER_SPLIT = 4
 # `implementation=None` picks this kernel on sm_90 (see `is_preferred`).
 _PREFERRED_ON_SM90 = True
-# Batches of up to this many slots are ordered by length inside the kernel (`_ordering`).
-_MAX_SLOTS_RANKED = 256
+# Batches of up to this many slots (one per thread of a warpgroup) are ordered by length
+# inside the kernel (`_ordering`): at 256 the count cost more than XLA's sort (H200 run 38).
+_MAX_SLOTS_RANKED = 128
 # Contexts up to this many tokens, in batches of more (sequence, KV head) pairs than twice the
 # SMs, stay with the Triton kernel (`is_preferred`).
-_SHORT_CONTEXT = 1024
+_SHORT_CONTEXT = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +174,8 @@ def is_preferred(
     0.99-1.32x the Triton kernel's speed (geomean 1.09x) on 20 of 22 cases, but 0.87-0.88x at
     B=64 with 512-token contexts: 512 items of four steps each, where a persistent program's
     fixed costs per item (Q copy, output write) outweigh the Triton kernel's small programs.
+    At 1024 tokens it is ahead again (B=64 1.01-1.03x, B=256 1.01-1.02x; runs 37-38,
+    `benchmarks/results/mosaic_decode_h200_run3[78]*.json`); B=32 at 512 tokens is even.
     So a batch whose page table holds at most `_SHORT_CONTEXT` tokens per sequence
     (`max_kv_len`, static) with more than two (sequence, KV head) items per SM of the device
     stays with the Triton kernel. Without `num_seqs`, `num_kv_heads` and `max_kv_len` only
