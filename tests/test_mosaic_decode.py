@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import jaxpaged
@@ -270,19 +271,33 @@ def test_persistent_grid_and_order():
 
 
 def _ranked_slots(kv_lens):
-    """`_order_slots` alone, in one warpgroup: the slots of kv_lens, longest first."""
+    """`_order_slots` as the decode kernel runs it: the copy warpgroup ranks the slots and
+    arrives on a barrier; the compute warpgroup waits on it and copies the order out."""
     num = kv_lens.shape[0]
 
-    def body(lens_ref, out_ref, lens_smem, order_smem):
-        mosaic._order_slots(lens_ref, lens_smem, order_smem)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(order_smem, out_ref)
-        plgpu.wait_smem_to_gmem(0)
+    def body(lens_ref, out_ref, lens_smem, order_smem, ready):
+        @pl.when(jax.lax.axis_index("wg") == 1)
+        def _rank():
+            mosaic._order_slots(lens_ref, lens_smem, order_smem)
+            plgpu.barrier_arrive(ready)
+
+        @pl.when(jax.lax.axis_index("wg") == 0)
+        def _copy_out():
+            plgpu.barrier_wait(ready)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(order_smem, out_ref)
+            plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num,), jnp.int32),
-        scratch_types=(plgpu.SMEM((num,), jnp.int32), plgpu.SMEM((num,), jnp.int32)),
+        scratch_types=(
+            plgpu.SMEM((num,), jnp.int32),
+            plgpu.SMEM((num,), jnp.int32),
+            plgpu.Barrier(),
+        ),
+        num_threads=2,
+        thread_name="wg",
     )(kv_lens)
 
 
