@@ -417,6 +417,11 @@ def test_long_context(page_size):
     assert_close(out, lse, *oracle(batch), jnp.bfloat16)
 
 
+def _ragged_batch(rng, lens, **heads):
+    """A bf16 batch of one decode token per slot over pages of 16 tokens."""
+    return _decode_batch(rng, lens, page_size=16, dtype=jnp.bfloat16, **heads)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("longest_first", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -425,15 +430,7 @@ def test_persistent_programs_walk_many_items(num_splits, longest_first):
     K/V pipeline runs on from one item into the next."""
     rng = np.random.default_rng(num_splits)
     lens = [int(n) for n in rng.integers(0, 700, size=48)]
-    batch = _decode_batch(
-        rng,
-        lens,
-        num_q_heads=16,
-        num_kv_heads=4,
-        head_dim=128,
-        page_size=16,
-        dtype=jnp.bfloat16,
-    )
+    batch = _ragged_batch(rng, lens, num_q_heads=16, num_kv_heads=4, head_dim=128)
     config = mosaic.MosaicDecodeConfig(persistent=True, longest_first=longest_first)
     out, lse = _run(batch, num_splits=num_splits, config=config)
     assert_close(out, lse, *oracle(batch), jnp.bfloat16)
@@ -458,15 +455,7 @@ def test_many_slots_ordered(num_slots):
     ordered inside the kernel (100 slots) or by XLA's sort (more than it ranks)."""
     rng = np.random.default_rng(num_slots)
     lens = [int(n) for n in rng.choice([0, 1, 17, 64, 130, 300], size=num_slots)]
-    batch = _decode_batch(
-        rng,
-        lens,
-        num_q_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=16,
-        dtype=jnp.bfloat16,
-    )
+    batch = _ragged_batch(rng, lens, num_q_heads=8, num_kv_heads=2, head_dim=64)
     out, lse = _run(batch)
     assert_close(out, lse, *oracle(batch), jnp.bfloat16)
 
