@@ -75,3 +75,22 @@ def test_dispatch_benchmark_runs():
 
     [case] = dispatch.main(["--kernels", "3", "--iterations", "2"])
     assert case["kernels"] == 3 and case["wall_ms"] >= case["dispatch_ms"] > 0
+
+
+def test_gpu_only_benchmarks_lower_and_check_cases():
+    """The GPU-only scripts: the overhead probe's kernels lower for the H200, and
+    `mosaic_decode` refuses case names it does not know before it times anything."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import decode_overhead, mosaic_decode
+    from tests.helpers import lower_for_cuda
+
+    merge_in = (
+        jax.ShapeDtypeStruct((1, 16, 32, 128), jnp.float32),
+        jax.ShapeDtypeStruct((1, 16, 32), jnp.float32),
+    )
+    empty = decode_overhead.empty_kernel(200 * 1024)
+    assert "mosaic_gpu" in lower_for_cuda(decode_overhead._then_merge(empty), *merge_in)
+    with pytest.raises(SystemExit, match="unknown cases"):
+        mosaic_decode.run(1, ["b1-ctx32768-ps16", "no-such-case"])
