@@ -595,23 +595,14 @@ def _make_body(
 
             return count + num_steps
 
-        def order_slots():
-            """The copy warpgroup orders the slots by length for both (`_order_slots`)."""
-            if ordering == "kernel":
-                with jax.named_scope("order"):
-                    _order_slots(lens_ref, lens_smem, order_ref)
-                    plgpu.barrier_arrive(order_ready)
-
-        def wait_order():
-            if ordering == "kernel":
-                plgpu.barrier_wait(order_ready)
-
         wg = lax.axis_index("wg")
         if config.persistent:
             program = lax.axis_index("program")
             num_items = num_kv_heads * num_splits * num_seq_slots
 
-            def walk(work):
+            def run(work):
+                """`work` on each of this program's items of the snake order."""
+
                 def item(k, count):
                     index = _snake_item(k, program, num_programs)
                     valid = index < num_items
@@ -620,37 +611,33 @@ def _make_body(
 
                 lax.fori_loop(0, items_per_program, item, jnp.int32(0))
 
-            @pl.when(wg == 1)
-            @jax.named_scope("copy")
-            def _copy_items():
-                order_slots()
-                walk(copy_item)
-
-            @pl.when(wg == 0)
-            @jax.named_scope("compute")
-            def _compute_items():
-                wait_order()
-                walk(compute_item)
-                plgpu.wait_smem_to_gmem(0)
-
         else:
             index = lax.axis_index("kv_head") + num_kv_heads * (
                 lax.axis_index("split") + num_splits * lax.axis_index("seq")
             )
 
-            @pl.when(wg == 1)
-            @jax.named_scope("copy")
-            def _copy_item():
-                order_slots()
+            def run(work):
+                """`work` on this program's one item."""
                 kv_head, split, seq = item_of(index)
-                copy_item(kv_head, split, seq, None, jnp.int32(0))
+                work(kv_head, split, seq, None, jnp.int32(0))
 
-            @pl.when(wg == 0)
-            @jax.named_scope("compute")
-            def _compute_item():
-                wait_order()
-                kv_head, split, seq = item_of(index)
-                compute_item(kv_head, split, seq, None, jnp.int32(0))
+        @pl.when(wg == 1)
+        @jax.named_scope("copy")
+        def _copy():
+            if ordering == "kernel":  # the copy warpgroup orders the slots for both
+                with jax.named_scope("order"):
+                    _order_slots(lens_ref, lens_smem, order_ref)
+                    plgpu.barrier_arrive(order_ready)
+            run(copy_item)
+
+        @pl.when(wg == 0)
+        @jax.named_scope("compute")
+        def _compute():
+            if ordering == "kernel":
+                plgpu.barrier_wait(order_ready)
+            run(compute_item)
+            if config.persistent:  # one item per program waits in `write_output`
+                plgpu.wait_smem_to_gmem(0)
 
     return body
 
