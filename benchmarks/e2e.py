@@ -94,19 +94,7 @@ def _profiled(engine: Engine, prompts, params: SamplingParams) -> dict:
         engine.generate(prompts, params)
     finally:
         timings = ext._cupti_get_timings(True)
-    steps = engine.stats.steps - steps
-    by_kind: dict[str, float] = {}
-    by_name: dict[str, float] = {}
-    for name, ms in timings:
-        by_kind[_kernel_kind(name)] = by_kind.get(_kernel_kind(name), 0.0) + ms
-        by_name[name] = by_name.get(name, 0.0) + ms
-    top = sorted(by_name.items(), key=lambda item: -item[1])[:8]
-    return dict(
-        gpu_ms_per_step=sum(by_kind.values()) / steps,
-        gpu_ms_per_step_by_kind={k: v / steps for k, v in sorted(by_kind.items())},
-        kernels_per_step=len(timings) / steps,
-        top_kernels_ms_per_step=[(name[:80], ms / steps) for name, ms in top],
-    )
+    return _kernel_summary(timings, engine.stats.steps - steps)
 
 
 def _prefill_case(engine: Engine, prompts, kind: str, chunk: int, args) -> dict:
@@ -133,9 +121,9 @@ def _dense_layer(layer, x, k_cache, v_cache, positions, kv_lens, *, prefill: boo
     attn = layer.attn
     batch, num_tokens, _ = x.shape
     h = layer.input_norm(x)
-    q = attn.q_proj(h).reshape(batch * num_tokens, attn.num_q_heads, attn.head_dim)
-    k = attn.k_proj(h).reshape(batch * num_tokens, attn.num_kv_heads, attn.head_dim)
-    v = attn.v_proj(h).reshape(batch, num_tokens, attn.num_kv_heads, attn.head_dim)
+    qkv = attn.qkv_proj(h).reshape(batch * num_tokens, -1, attn.head_dim)
+    q, k, v = jnp.split(qkv, [attn.num_q_heads, attn.num_q_heads + attn.num_kv_heads], axis=1)
+    v = v.reshape(batch, num_tokens, attn.num_kv_heads, attn.head_dim)
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     flat_pos = positions.reshape(-1)
@@ -233,6 +221,87 @@ def _dense_decode_tokens_per_s(model, prompts: np.ndarray, max_len: int, new_tok
     return prompts.shape[0] * len(steady) / sum(steady)
 
 
+def _decode_part(engine: Engine, prompts, params: SamplingParams, profile: bool = False) -> dict:
+    """Generate from `prompts` and time only what follows their prefill: the decode steps or
+    blocks, engine wall time from the first decode launch to the last sync. With `profile`,
+    also their CUPTI kernels per decode step."""
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while any(s.num_cached < s.prompt_len for s in seqs):
+        engine.step()
+    stats = dataclasses.replace(engine.stats)
+    if profile:
+        from jax._src.lib import mosaic_gpu  # noqa: PLC0415 - private, GPU only
+
+        mosaic_gpu._mosaic_gpu_ext._cupti_init()
+    start = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    seconds = time.perf_counter() - start
+    steps = engine.stats.decode_steps - stats.decode_steps
+    tokens = engine.stats.decode_tokens - stats.decode_tokens
+    result = dict(
+        steps=steps,
+        tokens_per_s=tokens / seconds,
+        wall_ms_per_step=1e3 * seconds / steps,
+        dispatch_ms_per_step=1e3 * (engine.stats.dispatch_time - stats.dispatch_time) / steps,
+    )
+    if profile:
+        result.update(_kernel_summary(mosaic_gpu._mosaic_gpu_ext._cupti_get_timings(True), steps))
+    return result
+
+
+def _kernel_summary(timings, steps: int) -> dict:
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for name, ms in timings:
+        by_kind[_kernel_kind(name)] = by_kind.get(_kernel_kind(name), 0.0) + ms
+        by_name.setdefault(name, []).append(ms)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:12]
+    return dict(
+        gpu_ms_per_step=sum(by_kind.values()) / steps,
+        gpu_ms_per_step_by_kind={k: v / steps for k, v in sorted(by_kind.items())},
+        kernels_per_step=len(timings) / steps,
+        top_kernels_ms_per_step=[(name[:60], sum(ms) / steps, len(ms) / steps) for name, ms in top],
+    )
+
+
+def _step_bytes(config, batch: int, ctx: int) -> int:
+    """The bytes a decode step must read: every weight matrix outside the embedding table once
+    (the vocabulary projection included) and each sequence's cached K and V."""
+    weights = config.num_params() - config.vocab_size * config.hidden_size
+    kv_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim
+    itemsize = jnp.dtype(config.dtype).itemsize
+    return itemsize * (weights + batch * ctx * kv_per_token)
+
+
+def _copy_bandwidth() -> float:
+    """TB/s of an XLA copy of 4 GiB (bytes read + written over the CUPTI-free wall time of
+    ten copies): the HBM rate the floor is computed at."""
+    x = jnp.ones((2**31,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a + 1)
+    jax.block_until_ready(copy(x))
+    start = time.perf_counter()
+    for _ in range(10):
+        y = copy(x)
+    jax.block_until_ready(y)
+    seconds = (time.perf_counter() - start) / 10
+    return 2 * x.nbytes / seconds / 1e12
+
+
+def _hf_anchor(args) -> dict | None:
+    """`benchmarks.hf_anchor` in a subprocess, before this process touches the GPU."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    cmd = [sys.executable, "-m", "benchmarks.hf_anchor", "--ctx", str(args.ctx), "--batches"]
+    done = subprocess.run(cmd + [str(b) for b in args.batches], capture_output=True, text=True)
+    if done.returncode:
+        print(f"HF anchor failed: {done.stderr[-2000:]}")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="1b", choices=sorted(CONFIGS))
@@ -241,7 +310,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--chunks", type=int, nargs="*", default=[256, 512, 2048])
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
     parser.add_argument("--ctx", type=int, default=1024, help="cached tokens per decode sequence")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=129)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--batch-prompts", type=int, default=16, help="0: no batch prefill")
     parser.add_argument("--profile", action="store_true", help="CUPTI GPU time per step")
@@ -251,6 +320,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="compile the engine's steps with XLA's default options, not step_xla_options",
     )
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--hf", action="store_true", help="time the HF transformers anchor")
+    parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny config, small sizes")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -258,6 +329,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.config, args.prompt_len, args.chunks, args.batches = "tiny", 96, [16, 32], [1, 4]
         args.ctx, args.new_tokens, args.batch_prompts = 40, 6, min(args.batch_prompts, 4)
 
+    hf = _hf_anchor(args) if args.hf else None  # first: torch needs the GPU's memory
     model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
@@ -269,7 +341,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     prompt = rng.integers(0, vocab, args.prompt_len).tolist()
     max_len = args.prompt_len + 1
-    for chunk in [args.prompt_len, *args.chunks]:
+    for chunk in [] if args.skip_prefill else [args.prompt_len, *args.chunks]:
         engine = make(max_seqs=1, budget=chunk, max_len=max_len)
         case = _prefill_case(engine, [prompt], "prefill", chunk, args)
         if chunk == args.prompt_len and not args.no_baseline:
@@ -284,7 +356,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cases.append(case)
         print_table([case], list(case))
 
-    if args.batch_prompts:
+    if args.batch_prompts and not args.skip_prefill:
         prompts = rng.integers(0, vocab, (args.batch_prompts, args.prompt_len)).tolist()
         for chunk in [args.prompt_len, *args.chunks]:
             engine = make(
@@ -293,26 +365,39 @@ def main(argv: list[str] | None = None) -> list[dict]:
             cases.append(_prefill_case(engine, prompts, "batch_prefill", chunk, args))
             print_table([cases[-1]], list(cases[-1]))
 
+    copy_tb_s = _copy_bandwidth() if jax.default_backend() == "gpu" else None
     for batch in args.batches:
         prompts = rng.integers(0, vocab, (batch, args.ctx))
-        max_len = args.ctx + args.new_tokens
+        max_len = args.ctx + args.new_tokens + 1
         engine = make(max_seqs=batch, budget=max(2048, args.ctx), max_len=max_len)
-        stats = _timed(engine, prompts.tolist(), SamplingParams(max_new_tokens=args.new_tokens))
+        params = SamplingParams(max_new_tokens=args.new_tokens)
+        _decode_part(engine, prompts[:, :16].tolist(), params)  # compile
         case = dict(
-            kind="decode",
-            batch=batch,
-            ctx=args.ctx,
-            steps=stats.steps,
-            tokens_per_s=stats.decode_tokens_per_s,
-            wall_ms_per_step=1e3 * stats.decode_time / stats.decode_steps,
-            dispatch_ms_per_step=1e3 * stats.dispatch_time / stats.steps,
+            kind="decode", batch=batch, ctx=args.ctx, decode_steps=engine.config.decode_steps
         )
+        case.update(_decode_part(engine, prompts.tolist(), params))
+        case["block_ms"] = case["wall_ms_per_step"] * engine.config.decode_steps
+        if args.profile:
+            profiled = _decode_part(engine, prompts.tolist(), params, profile=True)
+            case.update({k: v for k, v in profiled.items() if k not in case})
+            case["wall_over_gpu"] = case["wall_ms_per_step"] / case["gpu_ms_per_step"]
+        floor_bytes = _step_bytes(model.config, batch, args.ctx + args.new_tokens // 2)
+        case["floor_bytes_per_step"] = floor_bytes
+        if copy_tb_s:
+            case["copy_tb_s"] = copy_tb_s
+            case["floor_tokens_per_s"] = batch / (floor_bytes / (copy_tb_s * 1e12))
+            case["of_floor"] = case["tokens_per_s"] / case["floor_tokens_per_s"]
+        if hf:
+            [anchor] = [c for c in hf["cases"] if c["batch"] == batch]
+            case["hf_tokens_per_s"] = anchor["tokens_per_s"]
+            case["vs_hf"] = case["tokens_per_s"] / anchor["tokens_per_s"]
+            case["hf_versions"] = f"torch {hf['torch']}, transformers {hf['transformers']}"
         if not args.no_baseline:
             case["baseline_tokens_per_s"] = _dense_decode_tokens_per_s(
                 model, prompts, max_len, args.new_tokens
             )
         cases.append(case)
-        print_table([case], list(case))
+        print_table([case], [k for k in case if not isinstance(case[k], (dict, list))])
 
     implementation = {
         op: jaxpaged.resolve_implementation(op, args.implementation, CONFIGS[args.config].dtype)

@@ -79,6 +79,9 @@ class EngineConfig:
     max_model_len: most tokens a sequence may hold (prompt + generated); sets pages_per_seq.
     chunk_size: most prompt tokens of one sequence per step (None: the whole budget). Changing
       it does not recompile.
+    decode_steps: most decode steps of one block (one jitted `lax.while_loop`, one host sync);
+      None runs decode one step and one sync at a time.
+    max_stop_tokens: most stop token ids per request.
     """
 
     page_size: int = 16
@@ -87,6 +90,14 @@ class EngineConfig:
     max_tokens_per_step: int = 256
     max_model_len: int = 1024
     chunk_size: int | None = None
+    decode_steps: int | None = 16
+    max_stop_tokens: int = 4
+
+    def __post_init__(self):
+        if self.decode_steps is not None and self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be None or >= 1; got {self.decode_steps}")
+        if self.max_stop_tokens < 1:
+            raise ValueError(f"max_stop_tokens must be >= 1; got {self.max_stop_tokens}")
 
     @property
     def pages_per_seq(self) -> int:

@@ -16,7 +16,8 @@ KVPages = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages) [P, 
 
 
 class MLP(nnx.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+    """SwiGLU: `down(silu(gate(x)) * up(x))`, with gate and up as one [hidden, 2 I] matrix
+    (gate's columns first) so that they are one matmul."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         linear = functools.partial(
@@ -27,12 +28,12 @@ class MLP(nnx.Module):
             precision=config.precision,
             rngs=rngs,
         )
-        self.gate_proj = linear(config.hidden_size, config.intermediate_size)
-        self.up_proj = linear(config.hidden_size, config.intermediate_size)
+        self.gate_up_proj = linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = linear(config.intermediate_size, config.hidden_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):

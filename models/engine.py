@@ -1,13 +1,16 @@
-"""The engine: jitted step functions over donated KV pages and page pool, and the host loop of
+"""The engine: jitted steps over donated KV pages and page pool, and the host loop of
 continuous batching around them.
 
-A step is one jitted call: reserve the pages of its tokens, run the decoder on a flat ragged
-batch, sample one token per sequence. Two kinds, each compiled once (all shapes come from
-`EngineConfig`):
-  mixed   T = max_tokens_per_step tokens: prefill chunks of several sequences, decodes riding
-          along; attention by `ragged_paged_attention`.
-  decode  T = S = max_seqs, one token per sequence; attention by `paged_decode_attention`.
-The host reads the sampled tokens and the reservation's `ok` once per step.
+Three jitted functions, each compiled once (all shapes come from `EngineConfig`):
+  mixed   a step of T = max_tokens_per_step tokens: prefill chunks of several sequences,
+          decodes riding along; attention by `ragged_paged_attention`.
+  decode  a step of one token per sequence slot; attention by `paged_decode_attention`.
+  block   up to `decode_steps` decode steps in one `lax.while_loop`: each step reserves its
+          pages in the pool, appends K/V, samples on the device and feeds the token back;
+          rows stop on the device at a stop token or their token budget.
+A step's host sync reads its sampled tokens. A block's sync reads its [N, S] tokens once,
+and while block i runs the host has already enqueued block i+1 from block i's device outputs,
+so the GPU does not wait for the host between blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from flax import nnx
 import jaxpaged
 from models.config import EngineConfig
 from models.decoder import Decoder, KVPages, init_kv_pages
+from models.sampling import SamplingArrays, is_stop, sample
 from models.scheduler import Plan, SamplingParams, Scheduler, Sequence
+
+# XLA rewrites a dot whose left operand is one row (M=1) into a multiply and a reduction: three
+# passes over the weight matrix instead of one (shared/GPU.md, the B=1 decode profile). Decode
+# steps and blocks therefore run at least two sequence slots; the second is padding at B=1.
+MIN_DECODE_ROWS = 2
 
 
 class StepInputs(NamedTuple):
@@ -36,8 +45,7 @@ class StepInputs(NamedTuple):
     seq_ids: jax.Array  # i32[S], -1 for padding rows
     cu_q_lens: jax.Array  # i32[S+1]
     num_seqs: jax.Array  # i32[]
-    temperatures: jax.Array  # f32[S]
-    seeds: jax.Array  # u32[S]
+    sampling: SamplingArrays
 
 
 class StepOutputs(NamedTuple):
@@ -47,19 +55,47 @@ class StepOutputs(NamedTuple):
     logits: jax.Array  # f32[T, vocab] with all_logits, else f32[S, vocab] (rows' last tokens)
 
 
-def sample(logits: jax.Array, temperatures: jax.Array, seeds: jax.Array, positions: jax.Array):
-    """Greedy where temperature is 0, else a categorical sample at that temperature.
+class BlockInputs(NamedTuple):
+    """A decode block's rows: row s is pool slot `seq_ids[s]` (-1: padding), whose last token
+    `tokens[s]` is not cached yet and who may generate `budgets[s]` more tokens (0: inactive)."""
 
-    logits f32[S, V]; temperatures f32[S]; seeds u32[S]; positions i32[S], the position of the
-    token being sampled. The key is `fold_in(key(seed), position)`: a request samples the same
-    tokens whatever else is batched with it, and after a preemption. Returns (i32[S], f32[S]).
-    """
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
-    scaled = logits / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
-    sampled = jax.vmap(jax.random.categorical)(keys, scaled)
-    tokens = jnp.where(temperatures > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=-1)[:, 0]
-    return tokens, logprobs
+    tokens: jax.Array  # i32[S]
+    seq_ids: jax.Array  # i32[S]
+    budgets: jax.Array  # i32[S]
+    sampling: SamplingArrays
+
+
+class BlockOutputs(NamedTuple):
+    """Row s generated `tokens[:counts[s], s]`. `next` is the inputs of a following block (the
+    rows' last tokens and remaining budgets), so that one can be enqueued without a sync."""
+
+    tokens: jax.Array  # i32[N, S], -1 past each row's count
+    logprobs: jax.Array  # f32[N, S]
+    counts: jax.Array  # i32[S]
+    steps: jax.Array  # i32[], decode steps the block ran
+    ok: jax.Array  # bool[], False: it stopped at a step whose pages the pool could not hold
+    next: BlockInputs
+
+
+def _forward(graphdef, params, kv_pages, pool, tokens, seq_ids, cu_q_lens, num_seqs, **static):
+    """Reserve the step's pages, run the decoder, return the rows' kv_lens and final hidden
+    states: (kv_pages, pool, ok, kv_lens i32[S], hidden [T, hidden], model)."""
+    decode, implementation = static["decode"], static["implementation"]
+    num_tokens = tokens.shape[0]
+    live = jnp.arange(seq_ids.shape[0]) < num_seqs
+    seq_ids = jnp.where(live, seq_ids, -1)
+    cached, _ = jaxpaged.batch_metadata(pool, seq_ids)
+    pool, ok = jaxpaged.reserve(pool, seq_ids, cached + jnp.diff(cu_q_lens))
+    kv_lens, page_indices = jaxpaged.batch_metadata(pool, seq_ids)
+    # A failed reservation left the pool as it was, so these lengths miss the new tokens and
+    # writing them would overwrite the sequences' last cached tokens: run with no sequences.
+    num_seqs = jnp.where(ok, num_seqs, 0)
+    meta = jaxpaged.StepMetadata.build(
+        kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens=num_tokens, decode=decode
+    )
+    model = nnx.merge(graphdef, params)
+    hidden, kv_pages = model(tokens, kv_pages, meta, implementation=implementation)
+    return kv_pages, pool, ok, kv_lens, hidden, model
 
 
 def model_step(
@@ -75,33 +111,96 @@ def model_step(
 ) -> tuple[KVPages, jaxpaged.PagePool, StepOutputs]:
     """One step of the decoder, traced by `step_function`, which jits it with `kv_pages` and
     `pool` donated: they come back updated in place."""
-    num_tokens = inputs.tokens.shape[0]
-    num_seq_slots = inputs.seq_ids.shape[0]
-    live = jnp.arange(num_seq_slots) < inputs.num_seqs
-    cached, _ = jaxpaged.batch_metadata(pool, inputs.seq_ids)
-    # Padding rows ask slot 0 for length 0: `reserve` treats that as a no-op, a -1 as an error.
-    pool, ok = jaxpaged.reserve(
+    kv_pages, pool, ok, kv_lens, hidden, model = _forward(
+        graphdef,
+        params,
+        kv_pages,
         pool,
-        jnp.where(live, inputs.seq_ids, 0),
-        jnp.where(live, cached + jnp.diff(inputs.cu_q_lens), 0),
+        inputs.tokens,
+        inputs.seq_ids,
+        inputs.cu_q_lens,
+        inputs.num_seqs,
+        decode=decode,
+        implementation=implementation,
     )
-    kv_lens, page_indices = jaxpaged.batch_metadata(pool, inputs.seq_ids)
-    # A failed reservation left the pool as it was, so these lengths miss the new tokens and
-    # writing them would overwrite the sequences' last cached tokens: run with no sequences.
-    num_seqs = jnp.where(ok, inputs.num_seqs, 0)
-    meta = jaxpaged.StepMetadata.build(
-        kv_lens, page_indices, inputs.cu_q_lens, num_seqs, num_tokens=num_tokens, decode=decode
-    )
-    model = nnx.merge(graphdef, params)
-    hidden, kv_pages = model(inputs.tokens, kv_pages, meta, implementation=implementation)
+    num_tokens = inputs.tokens.shape[0]
     last = jnp.clip(inputs.cu_q_lens[1:] - 1, 0, num_tokens - 1)
     if all_logits:
         logits = model.logits(hidden)
         row_logits = logits[last]
     else:
         logits = row_logits = model.logits(hidden[last])
-    tokens, logprobs = sample(row_logits, inputs.temperatures, inputs.seeds, kv_lens)
+    tokens, logprobs = sample(row_logits, inputs.sampling, kv_lens)
     return kv_pages, pool, StepOutputs(tokens, logprobs, ok, logits)
+
+
+def decode_block(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    kv_pages: KVPages,
+    pool: jaxpaged.PagePool,
+    inputs: BlockInputs,
+    *,
+    num_steps: int,
+    implementation: str | None,
+) -> tuple[KVPages, jaxpaged.PagePool, BlockOutputs]:
+    """Up to `num_steps` decode steps in one `lax.while_loop`, traced by `block_function`.
+
+    Each step reserves one more token for every active row (all or nothing, as `reserve`),
+    appends the K/V of the rows' last tokens, samples the next ones and feeds them back. A row
+    stops when it samples one of its stop tokens or spends its budget; its slot then runs as
+    padding (kv_len 0: no read, no write). The loop ends after `num_steps` steps, when no row is
+    active, or before a step whose pages the pool cannot hold (`ok` False; that step writes
+    nothing and its samples are dropped).
+    """
+    num_rows = inputs.tokens.shape[0]
+    steps0 = jnp.int32(0)
+    init = (
+        steps0,
+        jnp.bool_(True),
+        kv_pages,
+        pool,
+        inputs.tokens,
+        inputs.budgets,
+        jnp.full((num_steps, num_rows), -1, jnp.int32),
+        jnp.zeros((num_steps, num_rows), jnp.float32),
+    )
+
+    def cond(carry):
+        step, ok, _, _, _, budgets, _, _ = carry
+        return (step < num_steps) & ok & jnp.any(budgets > 0)
+
+    def body(carry):
+        step, _, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs = carry
+        active = budgets > 0
+        kv_pages, pool, ok, kv_lens, hidden, model = _forward(
+            graphdef,
+            params,
+            kv_pages,
+            pool,
+            tokens,
+            jnp.where(active, inputs.seq_ids, -1),
+            jnp.arange(num_rows + 1, dtype=jnp.int32),
+            jnp.int32(num_rows),
+            decode=True,
+            implementation=implementation,
+        )
+        new, logprobs = sample(model.logits(hidden), inputs.sampling, kv_lens)
+        live = active & ok
+        budgets = jnp.where(
+            live, jnp.where(is_stop(new, inputs.sampling.stop_ids), 0, budgets - 1), budgets
+        )
+        out_tokens = out_tokens.at[step].set(jnp.where(live, new, -1))
+        out_logprobs = out_logprobs.at[step].set(jnp.where(live, logprobs, 0.0))
+        tokens = jnp.where(live, new, tokens)
+        return step + ok, ok, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs
+
+    steps, ok, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs = jax.lax.while_loop(
+        cond, body, init
+    )
+    counts = jnp.sum(out_tokens >= 0, axis=0, dtype=jnp.int32)
+    next_inputs = inputs._replace(tokens=tokens, budgets=budgets)
+    return kv_pages, pool, BlockOutputs(out_tokens, out_logprobs, counts, steps, ok, next_inputs)
 
 
 # XLA options of the engine's steps on GPUs (ignored elsewhere). A step of the ~1B decoder is
@@ -151,6 +250,27 @@ def step_function(
     )
 
 
+@functools.cache
+def block_function(
+    graphdef: nnx.GraphDef,
+    params_treedef: jax.tree_util.PyTreeDef,
+    xla_options: tuple[tuple[str, object], ...] = (),
+):
+    """`decode_block` jitted as `step_function` jits `model_step` (`num_steps` and
+    `implementation` static, pages and pool donated)."""
+
+    def block(param_leaves, kv_pages, pool, inputs, **static):
+        params = jax.tree.unflatten(params_treedef, param_leaves)
+        return decode_block(graphdef, params, kv_pages, pool, inputs, **static)
+
+    return jax.jit(
+        block,
+        static_argnames=("num_steps", "implementation"),
+        donate_argnames=("kv_pages", "pool"),
+        compiler_options=compiler_options(xla_options),
+    )
+
+
 def compiler_options(xla_options: tuple[tuple[str, object], ...]) -> dict | None:
     """`xla_options` as `jax.jit`'s `compiler_options`: they are GPU options, so None
     elsewhere."""
@@ -160,7 +280,9 @@ def compiler_options(xla_options: tuple[tuple[str, object], ...]) -> dict | None
 @dataclasses.dataclass
 class Stats:
     """Throughput counters. A step that computes any prompt (or recomputed) tokens counts as
-    prefill time; decode time and tokens come from steps that only decode."""
+    prefill time; decode time and tokens come from decode steps and blocks. A block's time runs
+    from the previous block's sync (or its own launch, when none ran before it) to its sync, so
+    that with blocks enqueued ahead it is the wall time the host waited for."""
 
     prefill_tokens: int = 0
     prefill_time: float = 0.0
@@ -168,10 +290,13 @@ class Stats:
     decode_tokens: int = 0
     decode_time: float = 0.0
     decode_steps: int = 0
+    blocks: int = 0
+    # Blocks that stopped before a step whose pages the pool could not hold.
+    cut_blocks: int = 0
     steps: int = 0
     failed_steps: int = 0
-    # Host time inside the jitted call (argument handling and launch; the GPU runs on after
-    # it returns), summed over all steps: what overlapping steps could hide at most.
+    # Host time inside the jitted calls (argument handling and launch; the GPU runs on after
+    # they return), summed over all steps and blocks.
     dispatch_time: float = 0.0
 
     @property
@@ -183,8 +308,20 @@ class Stats:
         return self.decode_tokens / self.decode_time if self.decode_time else 0.0
 
 
+class _Block(NamedTuple):
+    """A decode block in flight: its rows (row s is `rows[s]`, padding rows omitted) and its
+    outputs (device arrays being copied to the host)."""
+
+    rows: list[Sequence]
+    out: BlockOutputs
+
+
 class Engine:
-    """Continuous batching over one decoder: owns its KV pages, page pool and scheduler."""
+    """Continuous batching over one decoder: owns its KV pages, page pool and scheduler.
+
+    `overlap`: enqueue the next decode block before reading the current one's tokens (the
+    default); False syncs after every block.
+    """
 
     def __init__(
         self,
@@ -193,8 +330,9 @@ class Engine:
         *,
         implementation: str | None = None,
         xla_options: tuple[tuple[str, object], ...] | None = None,
+        overlap: bool = True,
     ):
-        """`xla_options`: XLA options of both step kinds; None: `step_xla_options` of each
+        """`xla_options`: XLA options of every step kind; None: `step_xla_options` of each
         kind's token count."""
         # Preemption lets the oldest sequence run alone, so one sequence must fit the pool.
         if config.pages_per_seq > config.num_pages:
@@ -204,16 +342,19 @@ class Engine:
             )
         self.config = config
         self.implementation = implementation
+        self.overlap = overlap
+        self.decode_rows = max(MIN_DECODE_ROWS, config.max_seqs)
         self.graphdef, self.params = nnx.split(model)
         self.param_leaves, treedef = jax.tree.flatten(self.params)
+
+        def options(num_tokens):
+            return step_xla_options(num_tokens) if xla_options is None else tuple(xla_options)
+
         self._step_fns = {
-            decode: step_function(
-                self.graphdef,
-                treedef,
-                step_xla_options(num_tokens) if xla_options is None else tuple(xla_options),
-            )
-            for decode, num_tokens in ((True, config.max_seqs), (False, config.max_tokens_per_step))
+            True: step_function(self.graphdef, treedef, options(self.decode_rows)),
+            False: step_function(self.graphdef, treedef, options(config.max_tokens_per_step)),
         }
+        self._block_fn = block_function(self.graphdef, treedef, options(self.decode_rows))
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(
@@ -222,6 +363,9 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.stats = Stats()
         self._next_id = 0
+        self._block: _Block | None = None  # the decode block in flight
+        self._last_block_failed = False
+        self._clock = 0.0
 
     def step_fn(self, decode: bool):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
@@ -229,25 +373,56 @@ class Engine:
         pool donated."""
         return self._step_fns[decode]
 
+    @property
+    def block_fn(self):
+        """The jitted decode block: `block_fn(param_leaves, kv_pages, pool, inputs, *,
+        num_steps, implementation) -> (kv_pages, pool, BlockOutputs)`, pages and pool
+        donated."""
+        return self._block_fn
+
     def add_request(self, prompt: Seq[int], params: SamplingParams) -> Sequence:
+        """Queue a request; it is admitted when a slot, pages and the step's budget allow."""
         total = len(prompt) + params.max_new_tokens
-        if not prompt or params.max_new_tokens < 1 or total > self.config.max_model_len:
+        if not prompt or total > self.config.max_model_len:
             raise ValueError(
-                f"need a non-empty prompt, max_new_tokens >= 1 and prompt + "
-                f"max_new_tokens <= max_model_len={self.config.max_model_len}; got "
-                f"{len(prompt)} + {params.max_new_tokens}"
+                f"need a non-empty prompt and prompt + max_new_tokens <= max_model_len="
+                f"{self.config.max_model_len}; got {len(prompt)} + {params.max_new_tokens}"
+            )
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, vocab_size={self.vocab_size})")
+        stops = params.stop_token_ids
+        if len(stops) > self.config.max_stop_tokens or any(t >= self.vocab_size for t in stops):
+            raise ValueError(
+                f"stop_token_ids must hold at most max_stop_tokens="
+                f"{self.config.max_stop_tokens} ids below vocab_size={self.vocab_size}; "
+                f"got {stops}"
             )
         seq = Sequence(self._next_id, [int(t) for t in prompt], len(prompt), params)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq
 
+    def has_work(self) -> bool:
+        return self._block is not None or self.scheduler.has_work()
+
     def step(self, *, record_prompt_logits: bool = False) -> list[Sequence]:
-        """Run one step; returns the sequences it finished."""
+        """Run one step, or enqueue or finish a decode block; returns the sequences it finished.
+
+        Decode-only plans run as blocks of up to `config.decode_steps` steps, unless
+        `decode_steps` is None or `record_prompt_logits` asks for every step's logits.
+        """
+        if self._block is not None:
+            return self._next_block()
         plan = self.scheduler.schedule()
         self._release_pending()
         if not plan.chunks:
             return []
+        blocks = self.config.decode_steps is not None and not record_prompt_logits
+        if blocks and all(c.is_decode for c in plan.chunks):
+            self._clock = time.perf_counter()
+            rows = [c.seq for c in plan.chunks]
+            self._block = _Block(rows, self._launch_block(self._block_inputs(rows)))
+            return [] if self.overlap else self._next_block()
         inputs = self._inputs(plan)
         start = time.perf_counter()
         with jaxpaged.quiet_triton_deprecation():
@@ -275,6 +450,14 @@ class Engine:
         self._release_pending()
         return finished
 
+    def sync(self) -> list[Sequence]:
+        """Finish the decode block in flight, if any, enqueueing none after it; returns the
+        sequences it finished. The host's view (scheduler, pool) is then up to date."""
+        if self._block is None:
+            return []
+        block, self._block = self._block, None
+        return self._finish_block(block)
+
     def generate(
         self,
         prompts: Seq[Seq[int]],
@@ -286,30 +469,105 @@ class Engine:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        while self.scheduler.has_work():
+        while self.has_work():
             self.step(record_prompt_logits=record_prompt_logits)
         return seqs
 
+    def _next_block(self) -> list[Sequence]:
+        """Enqueue the block after the one in flight when it may do work, then finish the one
+        in flight."""
+        block, self._block = self._block, None
+        num_steps = self.config.decode_steps
+        may_run = any(
+            not s.finished and s.params.max_new_tokens - len(s.output) > num_steps
+            for s in block.rows
+        )
+        # A waiting request that a slot could take is admitted after this block, in a mixed step.
+        admits = self.scheduler.waiting and self.scheduler.free_slots
+        if self.overlap and may_run and not admits and not self._last_block_failed:
+            self._block = _Block(block.rows, self._launch_block(block.out.next))
+        return self._finish_block(block)
+
+    def _launch_block(self, inputs: BlockInputs) -> BlockOutputs:
+        start = time.perf_counter()
+        with jaxpaged.quiet_triton_deprecation():
+            self.kv_pages, self.pool, out = self.block_fn(
+                self.param_leaves,
+                self.kv_pages,
+                self.pool,
+                inputs,
+                num_steps=self.config.decode_steps,
+                implementation=self.implementation,
+            )
+        self.stats.dispatch_time += time.perf_counter() - start
+        for x in (out.tokens, out.logprobs, out.counts, out.steps, out.ok):
+            x.copy_to_host_async()
+        return out
+
+    def _finish_block(self, block: _Block) -> list[Sequence]:
+        out = block.out
+        tokens, logprobs, counts, steps, ok = jax.device_get(
+            (out.tokens, out.logprobs, out.counts, out.steps, out.ok)
+        )
+        now = time.perf_counter()
+        elapsed, self._clock = now - self._clock, now
+        self.stats.blocks += 1
+        self.stats.steps += int(steps)
+        self.stats.decode_steps += int(steps)
+        self.stats.decode_tokens += int(counts.sum())
+        self.stats.decode_time += elapsed
+        self._last_block_failed = not ok
+        self.stats.cut_blocks += not ok
+        if not ok and steps == 0:
+            # Nothing ran: the pool could not hold one more token of every row (the scheduler's
+            # plan said it could, so its accounting was off). A block enqueued after this one
+            # retries on the same pool, or a better one (pages released in between); with none
+            # in flight, preempt as after a failed step. Preempting a row of a block in flight
+            # would let it write the K/V of a sequence the host has reset.
+            self.stats.failed_steps += 1
+            if self._block is None:
+                self.scheduler.on_failed_step()
+        finished = self.scheduler.update_block(block.rows, tokens, logprobs, counts)
+        self._release_pending()
+        return finished
+
+    def _sampling(self, seqs: Seq[Sequence], num_rows: int) -> SamplingArrays:
+        temperatures = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        seeds = np.zeros(num_rows, np.uint32)
+        stop_ids = np.full((num_rows, self.config.max_stop_tokens), -1, np.int32)
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            temperatures[i], top_k[i], top_p[i], seeds[i] = p.temperature, p.top_k, p.top_p, p.seed
+            stop_ids[i, : len(p.stop_token_ids)] = p.stop_token_ids
+        return SamplingArrays(temperatures, top_k, top_p, seeds, stop_ids)
+
+    def _block_inputs(self, rows: list[Sequence]) -> BlockInputs:
+        num_rows = self.decode_rows
+        tokens = np.zeros(num_rows, np.int32)
+        seq_ids = np.full(num_rows, -1, np.int32)
+        budgets = np.zeros(num_rows, np.int32)
+        for i, seq in enumerate(rows):
+            tokens[i], seq_ids[i] = seq.tokens[-1], seq.slot
+            budgets[i] = seq.params.max_new_tokens - len(seq.output)
+        return BlockInputs(tokens, seq_ids, budgets, self._sampling(rows, num_rows))
+
     def _inputs(self, plan: Plan) -> StepInputs:
-        num_seq_slots = self.config.max_seqs
+        num_seq_slots = self.decode_rows if plan.decode else self.config.max_seqs
         num_tokens = num_seq_slots if plan.decode else self.config.max_tokens_per_step
         tokens = np.zeros(num_tokens, np.int32)
         seq_ids = np.full(num_seq_slots, -1, np.int32)
         cu_q_lens = np.zeros(num_seq_slots + 1, np.int32)
-        temperatures = np.zeros(num_seq_slots, np.float32)
-        seeds = np.zeros(num_seq_slots, np.uint32)
         offset = 0
         for i, c in enumerate(plan.chunks):
             tokens[offset : offset + c.length] = c.seq.tokens[c.start : c.start + c.length]
             offset += c.length
             seq_ids[i] = c.seq.slot
             cu_q_lens[i + 1] = offset
-            temperatures[i] = c.seq.params.temperature
-            seeds[i] = c.seq.params.seed
         cu_q_lens[len(plan.chunks) + 1 :] = offset
-        return StepInputs(
-            tokens, seq_ids, cu_q_lens, np.int32(len(plan.chunks)), temperatures, seeds
-        )
+        sampling = self._sampling([c.seq for c in plan.chunks], num_seq_slots)
+        return StepInputs(tokens, seq_ids, cu_q_lens, np.int32(len(plan.chunks)), sampling)
 
     def _release_pending(self) -> None:
         # Padded to max_seqs ids so that `release` compiles once.

@@ -115,6 +115,8 @@ def induction_decoder(config: ModelConfig, *, seed: int = 0, noise: float = 0.25
     k[fast] = amp
     q[fast], q[half + fast] = amp * np.cos(omega), -amp * np.sin(omega)
     unit = direction / (direction @ direction) * np.sqrt(head_dim)  # q and k entries ~1
+    for layer in w["layers"].values():
+        _split_qkv(layer["attn"], config)
     attn = w["layers"][0]["attn"]
     attn["q_proj"]["kernel"][shared, :head_dim] += np.outer(unit, q)
     attn["k_proj"]["kernel"][shared, :head_dim] += np.outer(unit, k)
@@ -130,12 +132,32 @@ def induction_decoder(config: ModelConfig, *, seed: int = 0, noise: float = 0.25
     attn["o_proj"]["kernel"][:head_dim, code] += _OUT_GAIN * np.eye(head_dim)
     _sharpen(attn, slow, config)
     w["lm_head"]["kernel"][code] += _LM_GAIN / np.sqrt(head_dim) * tokens.T
+    for layer in w["layers"].values():
+        attn = layer["attn"]
+        attn["qkv_proj"] = {
+            "kernel": np.concatenate(
+                [attn.pop(name)["kernel"] for name in ("q_proj", "k_proj", "v_proj")], axis=1
+            )
+        }
 
     model = Decoder(config, rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, config.dtype), w))
     nnx.update(model, state)
     return model
+
+
+def _split_qkv(attn: dict, config: ModelConfig) -> None:
+    """Replace the fused `qkv_proj` kernel by `q_proj`, `k_proj` and `v_proj` ones to edit."""
+    q_cols = config.num_q_heads * config.head_dim
+    k_cols = config.num_kv_heads * config.head_dim
+    qkv = attn.pop("qkv_proj")["kernel"]
+    for name, cols in zip(
+        ("q_proj", "k_proj", "v_proj"),
+        np.split(qkv, [q_cols, q_cols + k_cols], axis=1),
+        strict=True,
+    ):
+        attn[name] = {"kernel": np.array(cols)}
 
 
 def _sharpen(attn: dict, dims: np.ndarray, config: ModelConfig) -> None:

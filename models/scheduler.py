@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import math
 
 import numpy as np
 
@@ -23,12 +24,51 @@ from models.config import EngineConfig
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """max_new_tokens >= 1; temperature 0 is greedy; a request's samples depend only on its seed
-    and positions, not on what else shares its steps."""
+    """How one request samples and when it stops.
+
+    max_new_tokens: >= 1, the most tokens it generates (prompt + max_new_tokens must fit the
+      engine's max_model_len).
+    temperature: >= 0; 0 is greedy (top_k and top_p are then ignored).
+    top_k: >= 0; sample among the k most likely tokens, 0 for all of them.
+    top_p: in (0, 1]; then among the smallest set of most likely tokens holding top_p of the
+      probability (nucleus sampling), 1 for all of them.
+    seed: in [0, 2**32); a request's samples depend only on its seed and positions, not on
+      what else shares its steps or how many decode steps a block runs.
+    stop_token_ids: tokens (e.g. EOS) that end the request once generated; the stop token is
+      the last token of its output.
+    Invalid values raise `ValueError` when the params are made.
+    """
 
     max_new_tokens: int = 16
     temperature: float = 0.0
     seed: int = 0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        rules = (
+            ("max_new_tokens", _is_int(self.max_new_tokens) and self.max_new_tokens >= 1, ">= 1"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "an int >= 0 (0: off)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1: off)"),
+            ("seed", _is_int(self.seed) and 0 <= self.seed < 2**32, "an int in [0, 2**32)"),
+            (
+                "stop_token_ids",
+                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "token ids >= 0",
+            ),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise ValueError(
+                    f"SamplingParams.{name} must be {rule}; got {getattr(self, name)!r}"
+                )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(eq=False)
@@ -55,8 +95,16 @@ class Sequence:
         return self.tokens[self.prompt_len :]
 
     @property
+    def finish_reason(self) -> str | None:
+        """ "stop" once it generated a stop token, "length" at max_new_tokens, else None."""
+        generated = len(self.tokens) - self.prompt_len
+        if generated and self.tokens[-1] in self.params.stop_token_ids:
+            return "stop"
+        return "length" if generated >= self.params.max_new_tokens else None
+
+    @property
     def finished(self) -> bool:
-        return len(self.tokens) - self.prompt_len >= self.params.max_new_tokens
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +226,26 @@ class Scheduler:
                 continue
             seq.tokens.append(int(tokens[i]))
             seq.logprobs.append(float(logprobs[i]))
+            if seq.finished:
+                self.running.remove(seq)
+                self._free_slot(seq)
+                finished.append(seq)
+        return finished
+
+    def update_block(
+        self, rows: list[Sequence], tokens: np.ndarray, logprobs: np.ndarray, counts: np.ndarray
+    ) -> list[Sequence]:
+        """Record a decode block: row s (`rows[s]`) generated `tokens[:counts[s], s]`, caching
+        the token it started from and all but the last of them. Returns finished sequences,
+        whose slots are queued for release."""
+        finished = []
+        for s, seq in enumerate(rows):
+            n = int(counts[s])
+            if n == 0:
+                continue
+            seq.num_cached += n
+            seq.tokens.extend(int(t) for t in tokens[:n, s])
+            seq.logprobs.extend(float(p) for p in logprobs[:n, s])
             if seq.finished:
                 self.running.remove(seq)
                 self._free_slot(seq)

@@ -59,10 +59,10 @@ def _rms(x, scale):
 def _dense_reference(layer, x, qk_norm):
     """Causal self-attention of one whole sequence x [L, hidden]: (out [L, hidden], k, v)."""
     length = x.shape[0]
-    w = {
-        name: _f64(getattr(layer, name).kernel[...])
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj")
-    }
+    qkv = _f64(layer.qkv_proj.kernel[...])
+    q, k, v = np.split(qkv, [HQ * D, (HQ + HKV) * D], axis=1)
+    w = dict(q_proj=q, k_proj=k, v_proj=v)
+    w["o_proj"] = _f64(layer.o_proj.kernel[...])
     q = (x @ w["q_proj"]).reshape(length, HQ, D)
     k = (x @ w["k_proj"]).reshape(length, HKV, D)
     v = (x @ w["v_proj"]).reshape(length, HKV, D)

@@ -1,0 +1,305 @@
+"""The engine's decode blocks: up to N decode steps in one jitted while loop give what decode
+steps one at a time give, whatever N, the batch, the stop tokens and the pool's size.
+
+The per-step engine (`decode_steps=None`) is the reference. Float32 runs of the seeded random
+decoder: the block's steps compute the same per-token math as single steps (the same decode
+op, the same projections), so the chosen tokens' log-probabilities agree within 1e-5 (they
+differ only where XLA fuses the loop body differently) and greedy tokens are identical.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxpaged
+from models.config import CONFIGS, EngineConfig
+from models.decoder import Decoder
+from models.engine import Engine
+from models.scheduler import SamplingParams
+from tests.test_model import PAGE, _cached_kv, _check_pool
+
+LOGPROB_TOL = 1e-5
+CONFIG = EngineConfig(
+    page_size=PAGE, num_pages=40, max_seqs=4, max_tokens_per_step=64, max_model_len=160
+)
+VOCAB = CONFIGS["tiny"].vocab_size
+
+
+def _backends():
+    gpu = [("triton", "triton-gpu"), (None, "auto-gpu")]
+    return [pytest.param("xla", id="xla")] + [
+        pytest.param(b, id=name, marks=pytest.mark.gpu) for b, name in gpu
+    ]
+
+
+def _require(backend):
+    for op in ("ragged", "decode"):
+        if backend is not None and backend not in jaxpaged.available_implementations(op):
+            pytest.skip(f"{backend} is not available for {op} here")
+
+
+@functools.cache
+def _model() -> Decoder:
+    return Decoder(CONFIGS["tiny"], rngs=nnx.Rngs(0))
+
+
+def _engine(backend, **changes) -> Engine:
+    overlap = changes.pop("overlap", True)
+    return Engine(
+        _model(), dataclasses.replace(CONFIG, **changes), implementation=backend, overlap=overlap
+    )
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB, length).tolist()
+
+
+def _generate(engine: Engine, prompts, params):
+    with jaxpaged.quiet_triton_deprecation():
+        return engine.generate(prompts, params)
+
+
+def _assert_same(seqs, refs):
+    for seq, ref in zip(seqs, refs, strict=True):
+        assert seq.output == ref.output, (seq.id, seq.output, ref.output)
+        assert seq.finish_reason == ref.finish_reason
+        np.testing.assert_allclose(seq.logprobs, ref.logprobs, rtol=0, atol=LOGPROB_TOL)
+
+
+# Rows that finish at different steps of a block, a 1-token prompt, and sampled rows.
+PROMPTS = [_prompt(n, n) for n in (5, 40, 1, 23)]
+GREEDY = [SamplingParams(n) for n in (21, 9, 30, 14)]
+SAMPLED = [
+    SamplingParams(21, 0.8, seed=3),
+    SamplingParams(9, 1.0, seed=4, top_k=5),
+    SamplingParams(30, 1.2, seed=5, top_p=0.8),
+    SamplingParams(14, 0.7, seed=6, top_k=40, top_p=0.9),
+]
+
+
+@functools.cache
+def _reference(backend, sampled: bool):
+    return _generate(_engine(backend, decode_steps=None), PROMPTS, SAMPLED if sampled else GREEDY)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("num_steps", [1, 3, 8, 32])
+def test_blocks_give_the_per_step_engines_greedy_tokens(backend, num_steps):
+    _require(backend)
+    engine = _engine(backend, decode_steps=num_steps)
+    seqs = _generate(engine, PROMPTS, GREEDY)
+    assert engine.stats.blocks > 0
+    _assert_same(seqs, _reference(backend, False))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("num_steps", [3, 8])
+def test_sampled_tokens_depend_on_seed_not_block_or_batch(backend, num_steps):
+    """Temperature, top-k and top-p rows sample the same tokens in blocks of any size, batched
+    together or each run alone; another seed samples other tokens."""
+    _require(backend)
+    batched = _generate(_engine(backend, decode_steps=num_steps), PROMPTS, SAMPLED)
+    _assert_same(batched, _reference(backend, True))
+    alone = _engine(backend, decode_steps=num_steps + 2, max_seqs=1)
+    for prompt, params, seq in zip(PROMPTS, SAMPLED, batched, strict=True):
+        [ref] = _generate(alone, [prompt], params)
+        assert ref.output == seq.output
+    reseeded = [dataclasses.replace(p, seed=p.seed + 100) for p in SAMPLED]
+    other = _generate(_engine(backend, decode_steps=num_steps), PROMPTS, reseeded)
+    assert any(a.output != b.output for a, b in zip(other, batched, strict=True))
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_stop_token_ends_its_row_at_that_token(backend):
+    """Each row stops at the first occurrence of its stop token (mid-block), keeping it as its
+    last token; the other rows run on as they would alone."""
+    _require(backend)
+    refs = _reference(backend, False)
+    params = []
+    for i, (p, ref) in enumerate(zip(GREEDY, refs, strict=True)):
+        stop = ref.output[len(ref.output) // 2] if i % 2 == 0 else VOCAB - 1
+        params.append(dataclasses.replace(p, stop_token_ids=(stop, VOCAB - 2)))
+    engine = _engine(backend, decode_steps=8)
+    seqs = _generate(engine, PROMPTS, params)
+    for i, (seq, ref, p) in enumerate(zip(seqs, refs, params, strict=True)):
+        stops = [j for j, t in enumerate(ref.output) if t in p.stop_token_ids]
+        end = stops[0] + 1 if stops else len(ref.output)
+        assert seq.output == ref.output[:end]
+        assert seq.finish_reason == ("stop" if stops else "length")
+        assert i % 2 or stops  # the even rows' stop token is in their continuation
+    per_step = _generate(_engine(backend, decode_steps=None), PROMPTS, params)
+    _assert_same(seqs, per_step)
+
+
+def test_blocks_on_a_small_pool_pause_and_preempt_without_corruption():
+    """Sixteen requests need far more pages than the pool's 12; blocks stop before a step the
+    pool cannot hold, sequences get preempted and recomputed, and after every block the pool is
+    consistent and every running sequence's cached K/V are bitwise what they were."""
+    prompts = [_prompt(n, 100 + n) for n in (30, 50, 12, 61, 44, 7, 25, 38) * 2]
+    params = [SamplingParams(24 + i % 5, 0.0 if i % 3 else 0.9, seed=i) for i in range(16)]
+    engine = _engine("xla", num_pages=12, decode_steps=8, chunk_size=32)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while engine.has_work():
+        before = {s.id: (s.slot, _cached_kv(engine, s)) for s in engine.scheduler.running}
+        engine.step()
+        engine.sync()
+        _check_pool(engine)
+        for s in engine.scheduler.running:
+            if s.id in before and before[s.id][0] == s.slot:
+                for old, new in zip(before[s.id][1], _cached_kv(engine, s), strict=True):
+                    np.testing.assert_array_equal(new[: len(old)], old)
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.cut_blocks > 0
+    assert np.asarray(engine.pool.free).all()
+    refs = _generate(_engine("xla", decode_steps=None, num_pages=200), prompts, params)
+    _assert_same(seqs, refs)
+
+
+def test_blocks_recover_when_the_scheduler_overbooks_the_pool():
+    """With a scheduler that believes the pool is endless, only the in-loop reservations stop
+    blocks; the engine preempts and retries, and the results are still right."""
+    prompts = [_prompt(n, 200 + n) for n in (30, 50, 12, 61, 44, 7)]
+    params = [SamplingParams(20) for _ in prompts]
+    engine = _engine("xla", num_pages=10, decode_steps=8, chunk_size=32)
+    engine.scheduler.num_pages = 10**6
+    seqs = _generate(engine, prompts, params)
+    assert engine.stats.failed_steps > 0 and engine.stats.cut_blocks > 0
+    _assert_same(seqs, _generate(_engine("xla", decode_steps=None), prompts, params))
+
+
+def test_overlap_enqueues_the_next_block_before_reading_this_one():
+    engine = _engine("xla", decode_steps=4)
+    launched_ahead = 0
+    seqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, GREEDY, strict=True)]
+    while engine.has_work():
+        finished_blocks = engine.stats.blocks
+        engine.step()
+        # A block was read in this call and the next one is already in flight.
+        launched_ahead += engine.stats.blocks > finished_blocks and engine._block is not None
+    assert launched_ahead > 0
+    _assert_same(seqs, _generate(_engine("xla", decode_steps=4, overlap=False), PROMPTS, GREEDY))
+
+
+def test_request_arriving_during_a_block_waits_at_most_that_block():
+    """A request added while a block runs gets its first prefill step right after that block:
+    the engine enqueues no further block ahead of it."""
+    engine = _engine("xla", decode_steps=4)
+    engine.add_request(_prompt(9, 1), SamplingParams(40))
+    while not engine.stats.blocks and engine._block is None:
+        engine.step()
+    late = engine.add_request(_prompt(11, 2), SamplingParams(3))
+    engine.step()  # finishes the block in flight and enqueues none
+    assert engine._block is None and late.num_cached == 0
+    engine.step()  # the mixed step that admits it
+    assert late.num_cached == len(late.tokens) - 1 and len(late.output) == 1
+
+
+def test_block_updates_pages_and_pool_in_place_and_compiles_once():
+    engine = _engine("xla", decode_steps=4)
+    _generate(engine, PROMPTS[:2], GREEDY[:2])
+    seq = engine.add_request(_prompt(20, 5), SamplingParams(6))
+    while seq.num_cached < seq.prompt_len:
+        engine.step()
+    inputs = engine._block_inputs([seq])
+    options = dict(num_steps=4, implementation="xla")
+    compiled = engine.block_fn.lower(
+        engine.param_leaves, engine.kv_pages, engine.pool, inputs, **options
+    ).compile()
+    state = jax.tree.leaves((engine.kv_pages, engine.pool))
+    assert compiled.memory_analysis().alias_size_in_bytes >= sum(x.nbytes for x in state)
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        old = engine.kv_pages[0][0]
+        while engine.has_work():
+            engine.step()
+        _generate(engine, [_prompt(n, n) for n in (3, 33)], [SamplingParams(7, 0.5), GREEDY[0]])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert old.is_deleted()
+    assert not compiles, f"{len(compiles)} compilations after warm-up"
+
+
+def test_soak_random_requests_each_equal_to_running_alone():
+    """200 requests of random prompt lengths, max_new_tokens and stop tokens arrive while others
+    run, through a pool small enough to force preemptions; every one finishes with the greedy
+    output it has alone (computed once without stop tokens, then cut at the first stop)."""
+    rng = np.random.default_rng(7)
+    num_requests = 200
+    prompts = [_prompt(int(rng.integers(1, 60)), 1000 + i) for i in range(num_requests)]
+    max_new = rng.integers(1, 24, num_requests)
+    alone_engine = _engine("xla", decode_steps=16, max_seqs=1, max_model_len=96)
+    alone = [
+        _generate(alone_engine, [p], SamplingParams(int(n)))[0].output
+        for p, n in zip(prompts, max_new, strict=True)
+    ]
+    params, expected = [], []
+    for out, n in zip(alone, max_new, strict=True):
+        stops = (int(rng.choice(out)),) if rng.random() < 0.5 else ()
+        stops += tuple(int(t) for t in rng.integers(0, VOCAB, int(rng.integers(0, 3))))
+        params.append(SamplingParams(int(n), stop_token_ids=stops))
+        hits = [j for j, t in enumerate(out) if t in stops]
+        expected.append(out[: hits[0] + 1] if hits else out)
+    engine = _engine("xla", decode_steps=8, max_seqs=8, num_pages=14, max_model_len=96)
+    order = iter(range(num_requests))
+    seqs = {}
+    while len(seqs) < num_requests or engine.has_work():
+        for i in [next(order, None) for _ in range(int(rng.integers(0, 4)))]:
+            if i is not None:
+                seqs[i] = engine.add_request(prompts[i], params[i])
+        engine.step()
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.cut_blocks > 0
+    assert sum(s.finish_reason == "stop" for s in seqs.values()) > 20
+    for i, seq in seqs.items():
+        assert seq.finished and seq.output == expected[i], i
+    assert np.asarray(engine.pool.free).all()
+
+
+@pytest.mark.parametrize(
+    ("changes", "name"),
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**32), "seed"),
+        (dict(stop_token_ids=(3, -2)), "stop_token_ids"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(changes, name):
+    with pytest.raises(ValueError, match=f"SamplingParams.{name} must be"):
+        SamplingParams(**changes)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([], SamplingParams(4), "non-empty prompt"),
+        ([1] * 150, SamplingParams(20), "max_model_len"),
+        ([1, VOCAB], SamplingParams(4), "prompt token ids"),
+        ([1], SamplingParams(4, stop_token_ids=(VOCAB,)), "stop_token_ids"),
+        ([1], SamplingParams(4, stop_token_ids=tuple(range(5))), "max_stop_tokens"),
+    ],
+)
+def test_add_request_rejects_what_the_engine_cannot_run(prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        _engine("xla").add_request(prompt, params)
+
+
+def test_engine_config_rejects_bad_block_sizes():
+    with pytest.raises(ValueError, match="decode_steps"):
+        EngineConfig(decode_steps=0)
+    with pytest.raises(ValueError, match="max_stop_tokens"):
+        EngineConfig(max_stop_tokens=0)

@@ -1,0 +1,81 @@
+"""On-device sampling: the top-k / top-p filters against a NumPy statement of the rule, and
+samples that stay inside what the filters keep."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.sampling import SamplingArrays, filter_logits, is_stop, sample
+
+VOCAB = 64
+
+
+def _kept_reference(logits: np.ndarray, top_k: int, top_p: float) -> set[int]:
+    """The tokens a row keeps: its k most likely (all when k is 0), then the most likely of
+    those until their renormalized probability reaches top_p."""
+    order = np.argsort(-logits, kind="stable")
+    if top_k:
+        order = order[:top_k]
+    if top_p >= 1:
+        return set(order.tolist())
+    probs = np.exp(logits[order] - logits[order].max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    return set(order[before < top_p].tolist())
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p"), [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.5), (0, 0.95), (10, 0.7), (3, 0.1)]
+)
+def test_filter_keeps_the_top_k_then_the_nucleus(top_k, top_p):
+    logits = jax.random.normal(jax.random.key(top_k), (6, VOCAB)) * 3.0
+    rows = logits.shape[0]
+    out = np.asarray(
+        filter_logits(logits, jnp.full(rows, top_k, jnp.int32), jnp.full(rows, top_p, jnp.float32))
+    )
+    for row, kept in zip(np.asarray(logits), out, strict=True):
+        assert set(np.flatnonzero(np.isfinite(kept)).tolist()) == _kept_reference(row, top_k, top_p)
+        np.testing.assert_array_equal(kept[np.isfinite(kept)], row[np.isfinite(kept)])
+
+
+def test_rows_filter_independently():
+    logits = jax.random.normal(jax.random.key(0), (3, VOCAB))
+    out = filter_logits(logits, jnp.array([0, 2, 0]), jnp.array([1.0, 1.0, 0.3]))
+    np.testing.assert_array_equal(out[0], logits[0])
+    assert int(jnp.sum(jnp.isfinite(out[1]))) == 2
+
+
+def _arrays(rows, temperature, top_k=0, top_p=1.0, stop=(-1,)):
+    return SamplingArrays(
+        jnp.full(rows, temperature, jnp.float32),
+        jnp.full(rows, top_k, jnp.int32),
+        jnp.full(rows, top_p, jnp.float32),
+        jnp.arange(rows, dtype=jnp.uint32),
+        jnp.tile(jnp.asarray(stop, jnp.int32), (rows, 1)),
+    )
+
+
+def test_samples_stay_in_the_filtered_set_and_follow_the_seed():
+    rows = 256
+    logits = jnp.tile(jax.random.normal(jax.random.key(1), (1, VOCAB)), (rows, 1))
+    positions = jnp.full(rows, 7, jnp.int32)
+    tokens, logprobs = sample(logits, _arrays(rows, 1.0, top_k=4), positions)
+    top4 = set(np.argsort(-np.asarray(logits[0]))[:4].tolist())
+    assert set(np.asarray(tokens).tolist()) == top4  # 256 seeds reach each of the four
+    np.testing.assert_allclose(logprobs, jax.nn.log_softmax(logits[0])[tokens], rtol=0, atol=1e-6)
+    again, _ = sample(logits, _arrays(rows, 1.0, top_k=4), positions)
+    np.testing.assert_array_equal(again, tokens)
+    moved, _ = sample(logits, _arrays(rows, 1.0, top_k=4), positions + 1)
+    assert not np.array_equal(moved, tokens)
+
+
+def test_greedy_rows_take_the_argmax_whatever_the_filters():
+    logits = jax.random.normal(jax.random.key(2), (4, VOCAB))
+    tokens, _ = sample(logits, _arrays(4, 0.0, top_k=3, top_p=0.2), jnp.zeros(4, jnp.int32))
+    np.testing.assert_array_equal(tokens, jnp.argmax(logits, axis=-1))
+
+
+def test_is_stop_ignores_padding_ids():
+    stop_ids = jnp.array([[5, -1], [-1, -1], [0, 9]])
+    np.testing.assert_array_equal(is_stop(jnp.array([5, 5, 9]), stop_ids), [True, False, True])
