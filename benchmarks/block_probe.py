@@ -24,10 +24,10 @@ from models.decoder import Decoder
 from models.engine import SMALL_STEP_XLA_OPTIONS, Engine
 from models.scheduler import SamplingParams
 
-ALL_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 OPTIONS = {
-    "graph1": SMALL_STEP_XLA_OPTIONS,
-    "graph1+while": SMALL_STEP_XLA_OPTIONS + (("xla_gpu_enable_command_buffer", ALL_COMMANDS),),
+    "graph1": (("xla_gpu_graph_min_graph_size", 1),),
+    "graph1+while": SMALL_STEP_XLA_OPTIONS,
+    "cublas": SMALL_STEP_XLA_OPTIONS + (("xla_gpu_enable_triton_gemm", False),),
     "no-cmdbuf": (("xla_gpu_enable_command_buffer", ""),),
 }
 
@@ -74,6 +74,50 @@ def _decode(engine: Engine, prompts, params, profile: bool):
     return result
 
 
+def splits_cases(ctx: int) -> list[dict]:
+    """The decode op alone at the `1b` shape (Hq 16, Hkv 8, D 128, page 16, ctx tokens), per
+    split count: B=1 as the engine runs it (two slots, one inactive), B=16, B=64."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    import jaxpaged  # noqa: PLC0415
+    from benchmarks.common import kernel_breakdown_ms  # noqa: PLC0415
+
+    out = []
+    page, pages_per_seq = 16, -(-(ctx + 137) // 16)
+    for slots, active in ((2, 1), (16, 16), (64, 64)):
+        keys = jax.random.split(jax.random.key(slots), 3)
+        num_pages = slots * pages_per_seq
+        k = jax.random.normal(keys[0], (num_pages, page, 8, 128), jnp.bfloat16)
+        v = jax.random.normal(keys[1], (num_pages, page, 8, 128), jnp.bfloat16)
+        q = jax.random.normal(keys[2], (slots, 16, 128), jnp.bfloat16)
+        lens = jnp.where(jnp.arange(slots) < active, ctx, 0).astype(jnp.int32)
+        table = jnp.arange(num_pages, dtype=jnp.int32).reshape(slots, pages_per_seq)
+        for impl in ("mosaic", "triton"):
+            for splits in (None, 1, 2, 4, 8, 16):
+                fn = jax.jit(
+                    lambda q, k, v, lens, table, impl=impl, splits=splits: (
+                        jaxpaged.paged_decode_attention(
+                            q, k, v, lens, table, num_splits=splits, implementation=impl
+                        )
+                    )
+                )
+                try:
+                    kernels = kernel_breakdown_ms(fn, q, k, v, lens, table)
+                    rec = dict(
+                        slots=slots,
+                        active=active,
+                        impl=impl,
+                        splits=splits,
+                        us=1e3 * sum(ms for _, ms in kernels),
+                        kernels=[(n[:40], 1e3 * ms) for n, ms in kernels],
+                    )
+                except Exception as e:  # noqa: BLE001
+                    rec = dict(slots=slots, impl=impl, splits=splits, error=str(e)[:300])
+                print(json.dumps(rec), flush=True)
+                out.append(rec)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="1b")
@@ -82,6 +126,7 @@ def main():
     parser.add_argument("--cases", nargs="*", default=None)
     parser.add_argument("--out", default="block_probe.json")
     parser.add_argument("--hlo-dir", default=None)
+    parser.add_argument("--splits", action="store_true")
     args = parser.parse_args()
     model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
@@ -96,7 +141,7 @@ def main():
         "64:16:graph1",
         "64:16:graph1+while",
     ]
-    results = []
+    results = splits_cases(args.ctx) if args.splits else []
     for spec in cases:
         batch, steps, option = spec.split(":")
         batch = int(batch)

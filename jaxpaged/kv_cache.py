@@ -61,8 +61,17 @@ def append_kv(
     # Read the raw page id: clamping a bad one would redirect the write into another page.
     page = page_indices[seq, jnp.clip(page_slot, 0, pages_per_seq - 1)]
     ok = live & (pos >= 0) & (page_slot < pages_per_seq) & (page >= 0) & (page < num_pages)
-    flat = jnp.where(ok, page * page_size + pos % page_size, num_pages * page_size)
+    # Tokens that write nothing get distinct indices past the end, so that the indices are
+    # unique (live tokens of a pool's sequences never share a slot: positions differ within a
+    # sequence and sequences own disjoint pages) and XLA scatters without ordering updates.
+    # Where a bad page table does make two tokens share a slot, one of them wins, as before.
+    nowhere = num_pages * page_size + jnp.arange(num_tokens, dtype=jnp.int32)
+    flat = jnp.where(ok, page * page_size + pos % page_size, nowhere)
     shape = (num_pages * page_size, num_kv_heads, head_dim)
-    k_pages = k_pages.reshape(shape).at[flat].set(k, mode="drop").reshape(k_pages.shape)
-    v_pages = v_pages.reshape(shape).at[flat].set(v, mode="drop").reshape(v_pages.shape)
+
+    def write(pages, new):
+        flat_pages = pages.reshape(shape).at[flat].set(new, mode="drop", unique_indices=True)
+        return flat_pages.reshape(pages.shape)
+
+    k_pages, v_pages = write(k_pages, k), write(v_pages, v)
     return k_pages, v_pages

@@ -97,8 +97,15 @@ def reserve(pool: PagePool, seq_ids: jax.Array, new_lens: jax.Array) -> tuple[Pa
     extra = jnp.maximum(0, -(-target // pool.page_size) - pool.num_owned)
     ok = valid & (jnp.sum(extra) <= jnp.sum(pool.free))
 
-    # Free page ids first, ascending; slot s takes the next `extra[s]` of them.
-    free_ids = jnp.argsort(~pool.free, stable=True).astype(jnp.int32)
+    # The free page ids, ascending (entries past the free count are never taken); slot s takes
+    # the next `extra[s]` of them. A prefix sum and a scatter, not a sort: the engine reserves
+    # every decode step, and sorting the pool's flags cost 28 us a step at 4.7k pages (H200).
+    rank = jnp.cumsum(pool.free, dtype=jnp.int32) - 1
+    free_ids = (
+        jnp.zeros((pool.num_pages,), jnp.int32)
+        .at[jnp.where(pool.free, rank, pool.num_pages)]
+        .set(jnp.arange(pool.num_pages, dtype=jnp.int32), mode="drop")
+    )
     first = jnp.cumsum(extra) - extra
     k = jnp.arange(pool.pages_per_seq, dtype=jnp.int32)[None, :]
     owned = pool.num_owned[:, None]

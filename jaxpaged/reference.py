@@ -25,7 +25,9 @@ def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int):
     """
     num_seq_slots = kv_lens.shape[0]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    # "compare_all" is one fusion; the default binary search is a while loop, which on GPUs
+    # costs a loop of small kernels and a predicate read per trip.
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right", method="compare_all").astype(jnp.int32)
     seq = jnp.minimum(seq, num_seq_slots - 1)
     live = t < cu_q_lens[-1]
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]

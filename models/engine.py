@@ -212,16 +212,32 @@ def decode_block(
 # command buffers, decode B=64 3.28 ms against 4.26 (same H200 run, benchmarks/NOTES.md run
 # 11). Large steps lose: a 2048-token step took 15.3 ms with them against 10.2 without (runs
 # 12 and 10).
+# Command buffers also take while loops and conditionals (CUDA graph conditional nodes), so that
+# a decode block's loop runs with no host round trip per step: a `1b` B=1 block step took 1.16
+# ms against 1.63 ms with XLA's default command types (H200 run 43).
 COMMAND_BUFFER_MAX_TOKENS = 512
-SMALL_STEP_XLA_OPTIONS = (("xla_gpu_graph_min_graph_size", 1),)
+COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+SMALL_STEP_XLA_OPTIONS = (
+    ("xla_gpu_graph_min_graph_size", 1),
+    ("xla_gpu_enable_command_buffer", COMMAND_BUFFER_TYPES),
+)
 LARGE_STEP_XLA_OPTIONS = (("xla_gpu_enable_command_buffer", ""),)
 
 
-def step_xla_options(num_tokens: int) -> tuple[tuple[str, object], ...]:
-    """The XLA options of a step of `num_tokens` tokens (its T)."""
-    if num_tokens <= COMMAND_BUFFER_MAX_TOKENS:
-        return SMALL_STEP_XLA_OPTIONS
-    return LARGE_STEP_XLA_OPTIONS
+# Decode steps of at least this many rows take cuBLAS for their projections instead of XLA's
+# Triton GEMMs: B=64 blocks of the `1b` decoder ran 12% faster, B=16 blocks 3% (H200 run 44),
+# while at B=1 Triton's were faster.
+CUBLAS_MIN_DECODE_ROWS = 16
+
+
+def step_xla_options(num_tokens: int, *, decode: bool = False) -> tuple[tuple[str, object], ...]:
+    """The XLA options of a step or block of `num_tokens` tokens (its T); `decode`: one token
+    per row."""
+    if num_tokens > COMMAND_BUFFER_MAX_TOKENS:
+        return LARGE_STEP_XLA_OPTIONS
+    if decode and num_tokens >= CUBLAS_MIN_DECODE_ROWS:
+        return SMALL_STEP_XLA_OPTIONS + (("xla_gpu_enable_triton_gemm", False),)
+    return SMALL_STEP_XLA_OPTIONS
 
 
 @functools.cache
@@ -347,14 +363,19 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         self.param_leaves, treedef = jax.tree.flatten(self.params)
 
-        def options(num_tokens):
-            return step_xla_options(num_tokens) if xla_options is None else tuple(xla_options)
+        def options(num_tokens, decode):
+            if xla_options is not None:
+                return tuple(xla_options)
+            return step_xla_options(num_tokens, decode=decode)
 
+        decode_options = options(self.decode_rows, True)
         self._step_fns = {
-            True: step_function(self.graphdef, treedef, options(self.decode_rows)),
-            False: step_function(self.graphdef, treedef, options(config.max_tokens_per_step)),
+            True: step_function(self.graphdef, treedef, decode_options),
+            False: step_function(
+                self.graphdef, treedef, options(config.max_tokens_per_step, False)
+            ),
         }
-        self._block_fn = block_function(self.graphdef, treedef, options(self.decode_rows))
+        self._block_fn = block_function(self.graphdef, treedef, decode_options)
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(

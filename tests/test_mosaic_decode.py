@@ -230,8 +230,9 @@ def test_resolve_implementation_checks_decode_shape():
         (64, 8, 32, 1),  # 512 programs already fill 132 SMs
         (8, 8, 256, 2),  # B=8, ctx 32768: 128 programs, one wave
         (1, 8, 256, 16),  # B=1, ctx 32768: 128 programs, one wave
-        (1, 8, 7, 1),  # too short to split
-        (2, 1, 16, 4),  # capped by the minimum split length
+        (1, 8, 7, 7),  # a short sequence: one step per split
+        (2, 1, 16, 16),  # capped by the sequence's steps
+        (2, 8, 10, 8),  # B=1 of the engine (two slots), ctx 1280: capped by the SMs
     ],
 )
 def test_choose_num_splits(seqs, kv_heads, max_steps, expected):

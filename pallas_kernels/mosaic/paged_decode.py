@@ -67,9 +67,10 @@ _SWIZZLE_ELEMS = _SWIZZLE // 2
 # Shared memory the default configs give the K/V stages: enough bytes in flight per SM for HBM
 # latency at 1/132 of the H200's bandwidth, and one program per SM.
 _DEFAULT_STAGE_BYTES = 128 * 1024
-# A split does at least this many pipeline steps (when the sequence has them): shorter splits
-# spend more time filling and draining the copy pipeline than streaming.
-_MIN_STEPS_PER_SPLIT = 4
+# A split does at least this many pipeline steps (when the sequence has them). One: with SMs
+# left idle, a short sequence split to one step per program finishes sooner than with fewer,
+# longer splits, though each pays the pipeline fill (benchmarks/NOTES.md, session 8).
+_MIN_STEPS_PER_SPLIT = 1
 # `implementation=None` picks this kernel on sm_90 (see `is_preferred`).
 _PREFERRED_ON_SM90 = True
 # Batches of up to this many slots (one per thread of a warpgroup) are ordered by length
