@@ -339,6 +339,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     cases = []
 
+    def record(case: dict) -> None:
+        """Keep, print and (with --out) write a case: a run cut short keeps what it measured."""
+        cases.append(case)
+        print_table([case], [k for k in case if not isinstance(case[k], dict | list)])
+        if args.out:
+            write_results(args.out, "e2e", cases)
+
     prompt = rng.integers(0, vocab, args.prompt_len).tolist()
     max_len = args.prompt_len + 1
     for chunk in [] if args.skip_prefill else [args.prompt_len, *args.chunks]:
@@ -353,8 +360,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             case["baseline_max_abs_logit_diff"] = float(
                 np.max(np.abs(logits[0] - seq.prompt_logits[-1]))
             )
-        cases.append(case)
-        print_table([case], list(case))
+        record(case)
 
     if args.batch_prompts and not args.skip_prefill:
         prompts = rng.integers(0, vocab, (args.batch_prompts, args.prompt_len)).tolist()
@@ -362,8 +368,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             engine = make(
                 max_seqs=args.batch_prompts, budget=args.prompt_len, max_len=max_len, chunk=chunk
             )
-            cases.append(_prefill_case(engine, prompts, "batch_prefill", chunk, args))
-            print_table([cases[-1]], list(cases[-1]))
+            record(_prefill_case(engine, prompts, "batch_prefill", chunk, args))
 
     copy_tb_s = _copy_bandwidth() if jax.default_backend() == "gpu" else None
     for batch in args.batches:
@@ -396,8 +401,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             case["baseline_tokens_per_s"] = _dense_decode_tokens_per_s(
                 model, prompts, max_len, args.new_tokens
             )
-        cases.append(case)
-        print_table([case], [k for k in case if not isinstance(case[k], (dict, list))])
+        record(case)
 
     implementation = {
         op: jaxpaged.resolve_implementation(op, args.implementation, CONFIGS[args.config].dtype)
