@@ -4,14 +4,17 @@ same weights run densely (contiguous KV, XLA attention).
     python -m benchmarks.e2e --out benchmarks/results/e2e_h200.json
 
 Prefill: one prompt of `--prompt-len` tokens, single-shot (one step) and in chunks of 256, 512
-and 2048 tokens; tokens/s is the prompt length over the wall time of its steps. Decode: batches
-of 1, 16 and 64 sequences with `--ctx` cached tokens each generate `--new-tokens` greedily;
-tokens/s counts the steps in which every sequence decodes. Both are engine wall times: each step
-includes scheduling, building its inputs and the one host sync that reads the sampled tokens.
-The dense baseline runs the same weights with a contiguous KV cache and
+and 2048 tokens; tokens/s is the prompt length over the wall time of its steps. Decode:
+batches of 1, 16 and 64 sequences with `--ctx` cached tokens each generate `--new-tokens`
+greedily in lockstep; tokens/s counts the decode tokens over the engine wall time from the
+first decode launch to the last sync (decode blocks, host syncs and scheduling included). Each
+decode row also gives the block length in ms (how long a newly arrived request waits at most),
+the HBM floor (`_step_bytes` over `_copy_bandwidth`) and, with `--hf`, Hugging Face
+transformers with a static cache and torch.compile (`benchmarks.hf_anchor`, run first in a
+subprocess). The dense baseline runs the same weights with a contiguous KV cache and
 `jax.nn.dot_product_attention(implementation="xla")`, one jitted call per prefill or decode step
-with the same one sync per step; its single-shot prefill logits are compared with the engine's
-so that the baseline is known to be the same model.
+with one sync per step; its single-shot prefill logits are compared with the engine's so that
+the baseline is known to be the same model.
 
 Batch prefill (`--batch-prompts N`, default 16): N prompts of `--prompt-len` tokens prefilled
 together with the step's token budget held at `--prompt-len`, as a server runs many requests.
@@ -19,9 +22,10 @@ Single-shot takes one whole prompt per step; chunks of c tokens put `prompt_len 
 chunks into each step. Every step then has the same matmul shapes, so the ratio shows what
 chunking itself costs: attention of chunks over cached prefixes, and the scheduling.
 
-`--profile` adds each prefill case's GPU time per step from CUPTI (the steps run once more),
-split into matmuls, attention and the rest: what the wall time spends beyond kernels is launch
-gaps and host work.
+`--profile` adds each case's GPU time per step from CUPTI (the steps run once more), split into
+matmuls, attention and the rest, and the kernels per step: what the wall time spends beyond
+kernels is launch gaps and host work. (The first CUPTI capture of a process has been seen to
+miss most kernels: runs 48 and 50 of `benchmarks/NOTES.md`.)
 
 `--smoke` runs the tiny config on small sizes (any machine) to check the script itself.
 """

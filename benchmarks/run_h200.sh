@@ -25,7 +25,7 @@ for step in "$@"; do
       --out "$OUT/h200_{suite}.json" ${SUITE_ARGS:-} ;;
     decode-suite|prefill-suite|mixed-suite) python3 -m benchmarks.attention \
       --suite "${step%-suite}" --out "$OUT/h200_${step%-suite}.json" ${SUITE_ARGS:-} ;;
-    e2e) python3 -m benchmarks.e2e --profile --out "$OUT/h200_e2e.json" ${E2E_ARGS:-} ;;
+    e2e) python3 -m benchmarks.e2e --profile --hf --out "$OUT/h200_e2e.json" ${E2E_ARGS:-} ;;
     demo) python3 -m models.generate --config tiny --json ;;
     *) echo "unknown step $step"; false ;;
   esac

@@ -162,6 +162,8 @@ def e2e_table(res: Results) -> list[str]:
         chunked = c["kind"] != "decode" and c["chunk"] != "single-shot" and ref
         gpu = c.get("gpu_ms_per_step")
         wall = c.get("wall_ms_per_step")
+        hf = c.get("hf_tokens_per_s")
+        floor = c.get("floor_tokens_per_s")
         rows.append(
             [
                 what,
@@ -170,6 +172,8 @@ def e2e_table(res: Results) -> list[str]:
                 f"{wall:.2f} / {gpu:.2f}" if gpu and wall else "–",
                 f"{base:.0f}" if base else "–",
                 f"{c['tokens_per_s'] / base:.2f}x" if base else "–",
+                f"{hf:.0f} ({c['tokens_per_s'] / hf:.2f}x)" if hf else "–",
+                f"{floor:.0f} ({c['tokens_per_s'] / floor:.0%})" if floor else "–",
             ]
         )
     header = [
@@ -179,6 +183,8 @@ def e2e_table(res: Results) -> list[str]:
         "ms per step: wall / GPU",
         "dense XLA tokens/s",
         "jaxpaged vs dense",
+        "HF + torch.compile tokens/s (ours vs)",
+        "HBM floor tokens/s (ours of)",
     ]
     config = res.cases[0].get("config", "?")
     return [

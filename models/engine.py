@@ -273,7 +273,8 @@ def block_function(
     xla_options: tuple[tuple[str, object], ...] = (),
 ):
     """`decode_block` jitted as `step_function` jits `model_step` (`num_steps` and
-    `implementation` static, pages and pool donated)."""
+    `implementation` static, pages, pool and inputs donated: a chain of blocks then runs on
+    the same buffers, which the GPU's command buffers record by address)."""
 
     def block(param_leaves, kv_pages, pool, inputs, **static):
         params = jax.tree.unflatten(params_treedef, param_leaves)
@@ -282,7 +283,7 @@ def block_function(
     return jax.jit(
         block,
         static_argnames=("num_steps", "implementation"),
-        donate_argnames=("kv_pages", "pool"),
+        donate_argnames=("kv_pages", "pool", "inputs"),
         compiler_options=compiler_options(xla_options),
     )
 
