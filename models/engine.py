@@ -154,9 +154,8 @@ def decode_block(
     nothing and its samples are dropped).
     """
     num_rows = inputs.tokens.shape[0]
-    steps0 = jnp.int32(0)
     init = (
-        steps0,
+        jnp.int32(0),
         jnp.bool_(True),
         kv_pages,
         pool,
@@ -398,7 +397,7 @@ class Engine:
     @property
     def block_fn(self):
         """The jitted decode block: `block_fn(param_leaves, kv_pages, pool, inputs, *,
-        num_steps, implementation) -> (kv_pages, pool, BlockOutputs)`, pages and pool
+        num_steps, implementation) -> (kv_pages, pool, BlockOutputs)`, pages, pool and inputs
         donated."""
         return self._block_fn
 

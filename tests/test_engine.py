@@ -11,16 +11,15 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import jaxpaged
 from models.config import CONFIGS, EngineConfig
-from models.decoder import Decoder
 from models.engine import Engine
 from models.scheduler import SamplingParams
-from tests.test_model import PAGE, _cached_kv, _check_pool
+from tests.test_model import GPU_BACKENDS, PAGE, _cached_kv, _check_pool, _model, _require
 
 LOGPROB_TOL = 1e-5
 CONFIG = EngineConfig(
@@ -30,27 +29,19 @@ VOCAB = CONFIGS["tiny"].vocab_size
 
 
 def _backends():
-    gpu = [("triton", "triton-gpu"), (None, "auto-gpu")]
+    # Triton in interpret mode is too slow for whole generations on a CPU: GPU only here.
     return [pytest.param("xla", id="xla")] + [
-        pytest.param(b, id=name, marks=pytest.mark.gpu) for b, name in gpu
+        pytest.param(b, id=name, marks=pytest.mark.gpu) for b, name in GPU_BACKENDS
     ]
-
-
-def _require(backend):
-    for op in ("ragged", "decode"):
-        if backend is not None and backend not in jaxpaged.available_implementations(op):
-            pytest.skip(f"{backend} is not available for {op} here")
-
-
-@functools.cache
-def _model() -> Decoder:
-    return Decoder(CONFIGS["tiny"], rngs=nnx.Rngs(0))
 
 
 def _engine(backend, **changes) -> Engine:
     overlap = changes.pop("overlap", True)
     return Engine(
-        _model(), dataclasses.replace(CONFIG, **changes), implementation=backend, overlap=overlap
+        _model(jnp.float32),
+        dataclasses.replace(CONFIG, **changes),
+        implementation=backend,
+        overlap=overlap,
     )
 
 
