@@ -7,6 +7,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+import jaxpaged
 
 # Tolerances against the float64 loop, on outputs of magnitude <= ~3 (averages of N(0,1) values):
 # - float32: the kernels accumulate in float32 with IEEE dots; error ~1e-6, so 2e-5.
@@ -17,6 +20,30 @@ import numpy as np
 # LSE is float32 from float32 logits of the (exactly representable) low-precision inputs.
 OUT_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 LSE_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-4, jnp.float16: 2e-4}
+
+
+# The backends of the layer, model and engine tests on the GPU (the `gpu` marker): the compiled
+# Triton kernels, and `implementation=None` (the best kernel per op, e.g. Mosaic GPU on Hopper).
+GPU_BACKENDS = (("triton", "triton-gpu"), (None, "auto-gpu"))
+# Mosaic GPU kernels use wgmma, which has no float32 operands: bf16/f16 only.
+DTYPE_LIMITS = {"mosaic": (jnp.bfloat16, jnp.float16)}
+
+
+def backend_params(cpu=("xla", "triton"), gpu=GPU_BACKENDS) -> list:
+    """pytest params of a `backend` argument: `cpu` ones run here (the kernels in Pallas
+    interpret mode), `gpu` (backend, id) pairs under the `gpu` marker."""
+    return [pytest.param(b, id=b) for b in cpu] + [
+        pytest.param(b, id=name, marks=pytest.mark.gpu) for b, name in gpu
+    ]
+
+
+def require(backend: str | None, ops=("ragged", "decode"), dtype=None) -> None:
+    """Skip unless `backend` (None: the best one here) runs every op of `ops`, in `dtype`."""
+    for op in ops:
+        if backend is not None and backend not in jaxpaged.available_implementations(op):
+            pytest.skip(f"{backend} is not available for {op} here")
+    if dtype is not None and dtype not in DTYPE_LIMITS.get(backend, (dtype,)):
+        pytest.skip(f"{backend} takes {DTYPE_LIMITS[backend]} only")
 
 
 @dataclasses.dataclass

@@ -9,7 +9,15 @@ import pytest
 
 import jaxpaged
 from pallas_kernels.common import poison_outputs
-from tests.helpers import OUT_TOL, assert_close, make_batch, oracle
+from tests.helpers import (
+    DTYPE_LIMITS,
+    OUT_TOL,
+    assert_close,
+    backend_params,
+    make_batch,
+    oracle,
+    require,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -19,25 +27,8 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MIXED = [(1, 37), (5, 21), (16, 16), (0, 9), (0, 0), (7, 40), (3, 17), (1, 1), (20, 52)]
 
 
-def _backends(op):
-    """(backend, marks): the kernels run here in interpret mode on small shapes and compiled
-    under the `gpu` marker; mosaic only on GPU."""
-    cases = [pytest.param("xla", id="xla")]
-    cases.append(pytest.param("triton", id="triton"))
-    cases.append(pytest.param("triton", id="triton-gpu", marks=pytest.mark.gpu))
-    cases.append(pytest.param("mosaic", id="mosaic-gpu", marks=pytest.mark.gpu))
-    return cases
-
-
-# Mosaic GPU kernels use wgmma, which has no float32 operands: bf16/f16 only.
-_DTYPE_LIMITS = {"mosaic": (jnp.bfloat16, jnp.float16)}
-
-
-def _require(backend, op, dtype=jnp.bfloat16):
-    if backend not in jaxpaged.available_implementations(op):
-        pytest.skip(f"{backend} is not available for {op} here")
-    if dtype not in _DTYPE_LIMITS.get(backend, DTYPES):
-        pytest.skip(f"{backend} takes {_DTYPE_LIMITS[backend]} only")
+# Here the XLA reference and the Triton kernels in interpret mode; on the GPU both kernels.
+BACKENDS = backend_params(gpu=(("triton", "triton-gpu"), ("mosaic", "mosaic-gpu")))
 
 
 def _ragged(backend, batch, **kw):
@@ -70,11 +61,11 @@ RAGGED_FEATURES = [
 ]
 
 
-@pytest.mark.parametrize("backend", _backends("ragged"))
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("features", RAGGED_FEATURES, ids=lambda f: "-".join(f) or "plain")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_ragged_features(backend, features, dtype):
-    _require(backend, "ragged", dtype)
+    require(backend, ("ragged",), dtype)
     rng = np.random.default_rng(1)
     batch = make_batch(rng, MIXED, dtype=dtype, num_q_heads=4, num_kv_heads=2, head_dim=64)
     out, lse = _ragged(backend, batch, **features)
@@ -89,10 +80,10 @@ SHAPES = [  # (Hq, Hkv, D, page_size)
 ]
 
 
-@pytest.mark.parametrize("backend", _backends("ragged"))
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq{}-hkv{}-d{}-ps{}".format(*s))
 def test_ragged_shapes(backend, shape):
-    _require(backend, "ragged")
+    require(backend, ("ragged",), jnp.bfloat16)
     num_q_heads, num_kv_heads, head_dim, page_size = shape
     rng = np.random.default_rng(hash(shape) % 2**32)
     seqs = [(1, 70), (9, page_size + 3), (page_size, 2 * page_size), (0, 0), (12, 12)]
@@ -109,12 +100,12 @@ def test_ragged_shapes(backend, shape):
     assert_close(out, lse, *oracle(batch), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("backend", _backends("ragged"))
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("prefix", [0, 1, 15, 16, 17, 31, 33])
 def test_chunk_on_prefix_every_alignment(backend, prefix):
     """A chunk appended to a cached prefix equals the same rows of single-shot prefill."""
-    dtype = _DTYPE_LIMITS.get(backend, DTYPES)[0]
-    _require(backend, "ragged", dtype)
+    dtype = DTYPE_LIMITS.get(backend, DTYPES)[0]
+    require(backend, ("ragged",), dtype)
     rng = np.random.default_rng(prefix)
     chunk = 11
     whole = make_batch(
@@ -143,12 +134,12 @@ def test_chunk_on_prefix_every_alignment(backend, prefix):
     assert_close(part, None, oracle(whole)[0][prefix:], None, dtype)
 
 
-@pytest.mark.parametrize("backend", _backends("decode"))
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("features", RAGGED_FEATURES[:4], ids=lambda f: "-".join(f) or "plain")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_decode(backend, page_size, features, dtype):
-    _require(backend, "decode", dtype)
+    require(backend, ("decode",), dtype)
     rng = np.random.default_rng(page_size)
     lens = [0, 1, page_size - 1, page_size, page_size + 1, 5 * page_size + 7, 300]
     batch = make_batch(

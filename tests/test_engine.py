@@ -19,7 +19,8 @@ import jaxpaged
 from models.config import CONFIGS, EngineConfig
 from models.engine import Engine
 from models.scheduler import SamplingParams
-from tests.test_model import GPU_BACKENDS, PAGE, _cached_kv, _check_pool, _model, _require
+from tests.helpers import backend_params, require
+from tests.test_model import PAGE, _cached_kv, _check_pool, _model
 
 LOGPROB_TOL = 1e-5
 CONFIG = EngineConfig(
@@ -28,11 +29,8 @@ CONFIG = EngineConfig(
 VOCAB = CONFIGS["tiny"].vocab_size
 
 
-def _backends():
-    # Triton in interpret mode is too slow for whole generations on a CPU: GPU only here.
-    return [pytest.param("xla", id="xla")] + [
-        pytest.param(b, id=name, marks=pytest.mark.gpu) for b, name in GPU_BACKENDS
-    ]
+# Triton in interpret mode is too slow for whole generations on a CPU: GPU only here.
+BACKENDS = backend_params(cpu=("xla",))
 
 
 def _engine(backend, **changes) -> Engine:
@@ -77,22 +75,22 @@ def _reference(backend, sampled: bool):
     return _generate(_engine(backend, decode_steps=None), PROMPTS, SAMPLED if sampled else GREEDY)
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_steps", [1, 3, 8, 32])
 def test_blocks_give_the_per_step_engines_greedy_tokens(backend, num_steps):
-    _require(backend)
+    require(backend)
     engine = _engine(backend, decode_steps=num_steps)
     seqs = _generate(engine, PROMPTS, GREEDY)
     assert engine.stats.blocks > 0
     _assert_same(seqs, _reference(backend, False))
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("num_steps", [3, 8])
 def test_sampled_tokens_depend_on_seed_not_block_or_batch(backend, num_steps):
     """Temperature, top-k and top-p rows sample the same tokens in blocks of any size, batched
     together or each run alone; another seed samples other tokens."""
-    _require(backend)
+    require(backend)
     batched = _generate(_engine(backend, decode_steps=num_steps), PROMPTS, SAMPLED)
     _assert_same(batched, _reference(backend, True))
     alone = _engine(backend, decode_steps=num_steps + 2, max_seqs=1)
@@ -104,11 +102,11 @@ def test_sampled_tokens_depend_on_seed_not_block_or_batch(backend, num_steps):
     assert any(a.output != b.output for a, b in zip(other, batched, strict=True))
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_stop_token_ends_its_row_at_that_token(backend):
     """Each row stops at the first occurrence of its stop token (mid-block), keeping it as its
     last token; the other rows run on as they would alone."""
-    _require(backend)
+    require(backend)
     refs = _reference(backend, False)
     params = []
     for i, (p, ref) in enumerate(zip(GREEDY, refs, strict=True)):

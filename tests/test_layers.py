@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import jaxpaged
+from tests.helpers import backend_params, require
 
 PAGE = 16
 HIDDEN, HQ, HKV, D = 96, 4, 2, 64
@@ -21,23 +22,6 @@ SEQS = [(0, 9), (13, 5), (16, 1), (31, 17), (0, 1), (20, 0)]
 # - bfloat16: x, the weights, q/k/v, the pages and the attention output are each rounded to
 #   bf16 (2^-9 relative each) and errors add over a projection's 96..256 terms: 5e-2.
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 5e-2}
-
-
-def _backends():
-    """Here: xla and triton (interpret mode). On the GPU: the Triton kernels and
-    `implementation=None` (the best kernel per op)."""
-    return [
-        pytest.param("xla", id="xla"),
-        pytest.param("triton", id="triton"),
-        pytest.param("triton", id="triton-gpu", marks=pytest.mark.gpu),
-        pytest.param(None, id="auto-gpu", marks=pytest.mark.gpu),
-    ]
-
-
-def _require(backend):
-    for op in ("ragged", "decode"):
-        if backend is not None and backend not in jaxpaged.available_implementations(op):
-            pytest.skip(f"{backend} is not available for {op} here")
 
 
 def _f64(x):
@@ -86,14 +70,14 @@ def _pack(xs, lens, rng, num_tokens):
     return np.concatenate([x for x, n in zip(xs, lens, strict=True) if n] + [pad]), cu
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 def test_chunk_on_prefix_matches_dense_attention(backend, dtype, qk_norm):
     """Prefill the prefixes in one call, then the chunks in a second: the chunk outputs equal
     dense causal attention over the whole sequences, and the pages hold the rotated K and V of
     every position."""
-    _require(backend)
+    require(backend)
     rng = np.random.default_rng(0)
     layer = jaxpaged.PagedAttention(
         HIDDEN,
@@ -156,11 +140,11 @@ def test_chunk_on_prefix_matches_dense_attention(backend, dtype, qk_norm):
     assert np.isnan(_f64(k_pages)[~written]).all(), "a write landed outside the sequences' slots"
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", backend_params())
 def test_decode_step_equals_ragged_step(backend):
     """With one token per sequence, `decode=True` (split-KV decode op) gives the ragged op's
     output and the same pages."""
-    _require(backend)
+    require(backend)
     rng = np.random.default_rng(2)
     layer = jaxpaged.PagedAttention(HIDDEN, HQ, HKV, D, qk_norm=True, rngs=nnx.Rngs(3))
     kv_lens = np.array([1, 17, 40, 0], np.int32)  # the last slot is inactive

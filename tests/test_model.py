@@ -3,7 +3,7 @@ pressure change no result, steps compile once and update the pages in place.
 
 Float32 tests run the seeded random decoder on random prompts: its attention is spread over
 every key, so a key missing or read twice moves the logits. The bfloat16 greedy test runs the
-induction decoder (`models/induction.py`) on repeated segments: its predictions are confident
+induction decoder (`tests/induction.py`) on repeated segments: its predictions are confident
 (top-1/top-2 logit margins of 3.7 and more), far above the bf16 roundings in which chunked and
 single-shot prefill differ (~0.01), and they come from attention to earlier chunks.
 
@@ -34,8 +34,9 @@ from models.engine import (
     step_function,
     step_xla_options,
 )
-from models.induction import BOS, induction_decoder, induction_prompt
 from models.scheduler import Chunk, Plan, SamplingParams, Sequence
+from tests.helpers import GPU_BACKENDS, backend_params, require
+from tests.induction import BOS, induction_decoder, induction_prompt
 
 PAGE = 16
 # One engine shape for most tests, so that they share compiled steps: a 300-token prompt plus
@@ -60,11 +61,6 @@ PROMPT_LENS = [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 5, 300]
 CHUNKS = [1, 7, PAGE, 64]
 
 
-# On the GPU: the Triton kernels for both ops, and `implementation=None` (what the demo runs:
-# the best kernel per op, e.g. Mosaic GPU for decode on Hopper).
-GPU_BACKENDS = [("triton", "triton-gpu"), (None, "auto-gpu")]
-
-
 def _cases(cpu: dict[str, list[tuple[int, int]]]):
     """(backend, prompt_len, chunk) params: the CPU subsets, and on the GPU every chunk shorter
     than the prompt (single-shot prefill, the whole prompt as one chunk, is the other side)."""
@@ -78,18 +74,6 @@ def _cases(cpu: dict[str, list[tuple[int, int]]]):
         if c < p or p == 1
     ]
     return cases
-
-
-def _backends():
-    return [pytest.param("xla", id="xla"), pytest.param("triton", id="triton")] + [
-        pytest.param(b, id=name, marks=pytest.mark.gpu) for b, name in GPU_BACKENDS
-    ]
-
-
-def _require(backend):
-    for op in ("ragged", "decode"):
-        if backend is not None and backend not in jaxpaged.available_implementations(op):
-            pytest.skip(f"{backend} is not available for {op} here")
 
 
 @functools.cache
@@ -149,7 +133,7 @@ CPU_F32 = {
 @pytest.mark.parametrize(("backend", "prompt_len", "chunk"), _cases(CPU_F32))
 def test_chunked_prefill_then_decode_matches_single_shot_f32(backend, prompt_len, chunk):
     """Every prompt position's logits, the greedy continuation and its log-probabilities."""
-    _require(backend)
+    require(backend)
     ref = _single_shot(backend, jnp.float32, prompt_len, 8)
     seq = _chunked(backend, jnp.float32, prompt_len, chunk, 8)
     assert np.isfinite(ref.prompt_logits).all() and np.isfinite(seq.prompt_logits).all()
@@ -212,7 +196,7 @@ def _greedy_report(seq: Sequence, ref: Sequence) -> str:
 
 @pytest.mark.parametrize(("backend", "prompt_len", "chunk"), _cases(CPU_BF16))
 def test_chunked_prefill_greedy_continuation_bf16(backend, prompt_len, chunk):
-    _require(backend)
+    require(backend)
     ref = _single_shot(backend, jnp.bfloat16, prompt_len, 32, induction=True)
     seq = _chunked(backend, jnp.bfloat16, prompt_len, chunk, 32, induction=True)
     report = _greedy_report(seq, ref)
@@ -227,7 +211,7 @@ def test_chunked_prefill_prompt_logprobs_bf16(backend, prompt_len, chunk):
     it): the log-probability of each prompt's next token, teacher-forced, after chunked and
     after single-shot prefill, differs by at most 0.01 nats on average. Greedy tokens are not
     compared here: the random decoder's near-ties make them flip under any drift."""
-    _require(backend)
+    require(backend)
     if prompt_len < 2:
         pytest.skip("a one-token prompt predicts no prompt token")
     ref = _single_shot(backend, jnp.bfloat16, prompt_len, 32)
@@ -292,9 +276,9 @@ def _alone(backend, prompts, params) -> list[Sequence]:
     return [_run(_engine(backend), [p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", backend_params())
 def test_interleaved_sequences_equal_each_run_alone(backend):
-    _require(backend)
+    require(backend)
     engine = _engine(backend, max_tokens_per_step=32, chunk_size=PAGE)
     seqs = _run(engine, MIXED_PROMPTS, MIXED_PARAMS)
     # Some tokens were sampled in mixed steps beyond each prompt's first: decodes rode along.
@@ -330,12 +314,12 @@ POOL_PROMPTS = [_prompt(n, 10 + n) for n in (90, 70, 100, 60, 80)]
 POOL_PARAMS = [SamplingParams(24, 0.0 if i % 2 else 0.7, seed=i) for i in range(5)]
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", backend_params())
 def test_pool_exhaustion_waits_and_preempts_without_corruption(backend):
     """The requests need 35 pages, the pool has 24: they wait and get preempted, and every one
     still gives what it gives alone. After each step the pool is consistent and every running
     sequence's cached K/V are bitwise what they were."""
-    _require(backend)
+    require(backend)
     engine = _engine(backend, chunk_size=32)
     seqs = [engine.add_request(p, sp) for p, sp in zip(POOL_PROMPTS, POOL_PARAMS, strict=True)]
     waited_for_pages = False
@@ -416,12 +400,12 @@ def test_steps_do_not_recompile_after_warm_up():
     assert not compiles, f"{len(compiles)} compilations after warm-up"
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
 def test_step_updates_pages_and_pool_in_place(backend, decode):
     """The compiled step aliases every page array and pool array to its output, copies no page
     array, and the buffers passed in are consumed."""
-    _require(backend)
+    require(backend)
     engine = _engine(backend)
     seq = engine.add_request(_prompt(20), SamplingParams(2))
     plan = engine.scheduler.schedule()
