@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -44,6 +45,22 @@ def require(backend: str | None, ops=("ragged", "decode"), dtype=None) -> None:
             pytest.skip(f"{backend} is not available for {op} here")
     if dtype is not None and dtype not in DTYPE_LIMITS.get(backend, (dtype,)):
         pytest.skip(f"{backend} takes {DTYPE_LIMITS[backend]} only")
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Yields a list that gets one entry per XLA compilation inside the `with` block."""
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
 
 
 @dataclasses.dataclass

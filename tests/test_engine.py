@@ -19,7 +19,7 @@ import jaxpaged
 from models.config import CONFIGS, EngineConfig
 from models.engine import Engine
 from models.scheduler import SamplingParams
-from tests.helpers import backend_params, require
+from tests.helpers import backend_params, count_compilations, require
 from tests.test_model import PAGE, _cached_kv, _check_pool, _model
 
 LOGPROB_TOL = 1e-5
@@ -199,20 +199,11 @@ def test_block_updates_pages_and_pool_in_place_and_compiles_once():
     ).compile()
     state = jax.tree.leaves((engine.kv_pages, engine.pool))
     assert compiled.memory_analysis().alias_size_in_bytes >= sum(x.nbytes for x in state)
-    compiles = []
-
-    def count(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with count_compilations() as compiles:
         old = engine.kv_pages[0][0]
         while engine.has_work():
             engine.step()
         _generate(engine, [_prompt(n, n) for n in (3, 33)], [SamplingParams(7, 0.5), GREEDY[0]])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     assert old.is_deleted()
     assert not compiles, f"{len(compiles)} compilations after warm-up"
 

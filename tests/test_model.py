@@ -35,7 +35,7 @@ from models.engine import (
     step_xla_options,
 )
 from models.scheduler import Chunk, Plan, SamplingParams, Sequence
-from tests.helpers import GPU_BACKENDS, backend_params, require
+from tests.helpers import GPU_BACKENDS, backend_params, count_compilations, require
 from tests.induction import BOS, induction_decoder, induction_prompt
 
 PAGE = 16
@@ -379,14 +379,7 @@ def test_engine_recovers_from_failed_reservations():
 def test_steps_do_not_recompile_after_warm_up():
     engine = _engine("xla")
     _run(engine, [_prompt(40), _prompt(3)], SamplingParams(4))  # a mixed and a decode step
-    compiles = []
-
-    def count(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with count_compilations() as compiles:
         _run(
             engine,
             [_prompt(n, n) for n in (1, 17, 90, 5, 63)],
@@ -395,8 +388,6 @@ def test_steps_do_not_recompile_after_warm_up():
                 for m, t in ((3, 0.0), (9, 1.0), (2, 0.5), (6, 0.0), (4, 0.0))
             ],
         )
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     assert not compiles, f"{len(compiles)} compilations after warm-up"
 
 
