@@ -47,6 +47,19 @@ def test_loader_reads_the_recorded_results():
             assert res.measured(), res.path
 
 
+def test_every_recorded_ratio_is_named_after_an_implementation_of_its_file():
+    """One name per figure: a kernel speed ratio is `vs_<impl>` (anchor time / ours), with
+    `impl` an implementation timed in the same file."""
+    for path in results.RESULTS_DIR.glob("*.json"):
+        data = json.loads(path.read_text())
+        if data["suite"] == "e2e":  # engine throughput: vs_hf, no kernel records
+            continue
+        cases = data["cases"]
+        ratios = {k for c in cases for k in c if k.startswith(("vs_", "x_"))}
+        assert ratios <= {f"vs_{c['impl']}" for c in cases if "impl" in c}, path.name
+        assert all("impl" in c for c in cases if "ms" in c), path.name
+
+
 def test_loader_fails_loudly_without_results(tmp_path):
     with pytest.raises(FileNotFoundError):
         results.load("decode", tmp_path)
