@@ -160,7 +160,7 @@ def plot_decode(res: Results):
 
 def plot_prefill(res: Results):
     """TFLOP/s of one-sequence causal prompts against T, one line per implementation, with
-    the matmul ceiling (this run's, else GPU.md's)."""
+    the matmul ceiling (this run's, else `MATMUL_PEAK_TFLOPS`)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
