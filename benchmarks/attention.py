@@ -42,14 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import inputs as bi
-from benchmarks.common import (
-    L2_BYTES,
-    Runner,
-    environment,
-    error_text,
-    kernel_time_ms,
-    print_table,
-)
+from benchmarks.common import L2_BYTES, Runner, environment, error_text, kernel_time_ms, print_table
 from benchmarks.inputs import Batch, DecodeCase
 from jaxpaged import quiet_triton_deprecation
 from pallas_kernels.common import H200_NUM_SMS
