@@ -1,7 +1,9 @@
 """Timing and recording shared by the benchmark scripts (run them on the H200).
 
-Kernel time is the CUPTI median over `iterations` calls (Mosaic GPU's profiler, as
-shared/GPU.md prescribes); inputs are random and rotated when they would fit in L2.
+Kernel time is the CUPTI median over `iterations` calls of the same inputs (Mosaic GPU's
+profiler, `jax.experimental.mosaic.gpu.profiler.measure`): every kernel of a call is summed,
+launch gaps are not counted. Inputs are not rotated, so a case whose inputs fit in the L2 cache
+(`L2_BYTES`) reads them from there after the first call; the decode suite marks such cases.
 """
 
 from __future__ import annotations
@@ -35,21 +37,6 @@ def kernel_time_ms(fn: Callable, *args, iterations: int = 20) -> float:
         return float(statistics.median(times))
     except Exception:  # noqa: BLE001 - CUPTI missing: time the step instead
         return step_time_ms(fn, *args, iterations=iterations)
-
-
-def kernel_breakdown_ms(fn: Callable, *args, iterations: int = 20) -> list[tuple[str, float]]:
-    """Every kernel of one call of `fn(*args)` with its median CUPTI time in ms, in launch
-    order (GPU only)."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    fn = _jitted(fn)
-    jax.block_until_ready(fn(*args))
-    _, per_call = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
-    names = [name for name, _ in per_call[0]]
-    return [
-        (name, float(statistics.median(call[i][1] for call in per_call)))
-        for i, name in enumerate(names)
-    ]
 
 
 def _jitted(fn: Callable) -> Callable:

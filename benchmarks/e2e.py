@@ -25,7 +25,7 @@ chunking itself costs: attention of chunks over cached prefixes, and the schedul
 `--profile` adds each case's GPU time per step from CUPTI (the steps run once more), split into
 matmuls, attention and the rest, and the kernels per step: what the wall time spends beyond
 kernels is launch gaps and host work. (The first CUPTI capture of a process has been seen to
-miss most kernels: runs 48 and 50 of `benchmarks/NOTES.md`.)
+miss most kernels: see `benchmarks/NOTES.md`.)
 
 `--smoke` runs the tiny config on small sizes (any machine) to check the script itself.
 """

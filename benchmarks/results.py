@@ -1,30 +1,29 @@
-"""Recorded benchmark results, loaded in one format for the notebooks and the README summary.
+"""Recorded benchmark results, loaded for the notebooks and the README summary.
 
 `load(suite)` reads `benchmarks/results/h200_<suite>.json` (written by `benchmarks.attention`
-or `benchmarks.e2e`) or, while that file does not exist, the newest earlier recording of the
-suite (`mosaic_decode_h200_run*.json` for decode, `prefill_h200_run*.json` for prefill and
-mixed), and raises `FileNotFoundError` when there is none: a plot of nothing is never shown.
+or `benchmarks.e2e`) and raises `FileNotFoundError` when there is none: a plot of nothing is
+never shown.
 
-Normalized records are dicts with `case`, `impl`, `variant`, `ms` (CUPTI median kernel time),
-`tb_s` (decode: unique KV bytes / time) or `tflops` (prefill, mixed: attention FLOPs / time) or
-`error`, and the case's shape (decode: `batch`, `ctx`, `page_size`, `ragged`, `l2_resident`;
-prefill: `num_seqs`, `q_len`, `kv_len`, `chunk`). `impl` is one of ours (`triton`, `mosaic`),
-an anchor (`cudnn-paged`, `cudnn-dense`, `jax-pallas`, `mosaic-fa3`, `xla`), `ceiling`, or in
-mixed batches the decode kernels and `parts` (the batch's parts run separately).
+Kernel suites' records are dicts with `case`, `impl`, `variant`, `ms` (CUPTI median kernel
+time), `tb_s` (decode: unique KV bytes / time) or `tflops` (prefill, mixed: attention FLOPs /
+time) or `error`, the case's shape (decode: `batch`, `ctx`, `page_size`, `ragged`,
+`l2_resident`; prefill: `num_seqs`, `q_len`, `kv_len`, `chunk`) and, on ours, `vs_<anchor>`
+(anchor time / our time). `impl` is one of ours (`triton`, `mosaic`), an anchor
+(`cudnn-paged`, `cudnn-dense`, `jax-pallas`, `mosaic-fa3`, `xla`), `ceiling`, or in mixed
+batches the decode kernels and `parts` (the batch's parts run separately).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-# Ceilings quoted when a recording has none of its own (shared/GPU.md).
 HBM_PEAK_TB_S = 4.8  # H200 datasheet
-MATMUL_PEAK_TFLOPS = 812.0  # XLA bf16 8192^3, CUPTI median, measured on the H200 2026-11-29
-L2_BYTES = 60 * 2**20
+# Quoted when a recording has no matmul ceiling of its own: XLA's bf16 8192^3 matmul, CUPTI
+# median, measured on the H200 (benchmarks/NOTES.md, floors).
+MATMUL_PEAK_TFLOPS = 812.0
 OURS = ("triton", "mosaic")
 ANCHORS = ("cudnn-paged", "cudnn-dense", "jax-pallas", "mosaic-fa3", "xla")
 LABELS = {
@@ -35,13 +34,6 @@ LABELS = {
     "jax-pallas": "JAX Pallas paged_attention",
     "mosaic-fa3": "JAX Mosaic FA3 (fp16)",
     "xla": "XLA reference",
-}
-# Prompts that the summary quotes from the earlier prefill recording.
-HEADLINE_T = {(1, 8192), (4, 2048)}
-_LEGACY = {
-    "decode": "mosaic_decode_h200_run*.json",
-    "prefill": "prefill_h200_run*.json",
-    "mixed": "prefill_h200_run*.json",
 }
 
 
@@ -85,19 +77,17 @@ def _rank(record: dict) -> tuple:
 
 def load(suite: str, directory: Path = RESULTS_DIR) -> Results:
     """The recorded results of `suite` ("decode", "prefill", "mixed" or "e2e")."""
-    directory = Path(directory)
-    current = directory / f"h200_{suite}.json"
-    if current.exists():
-        return _from_file(suite, current, _current)
-    legacy = sorted(directory.glob(_LEGACY.get(suite, "-")), key=_run_number)
-    if legacy:
-        return _from_file(
-            suite, legacy[-1], _legacy_decode if suite == "decode" else _legacy_prefill
+    path = Path(directory) / f"h200_{suite}.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no {suite} results in {directory}: run `bash benchmarks/run_h200.sh {suite}-suite` "
+            f"on the H200 and copy $OUT/h200_{suite}.json there"
         )
-    raise FileNotFoundError(
-        f"no {suite} results in {directory}: run `bash benchmarks/run_h200.sh {suite}-suite` "
-        f"on the H200 and copy $OUT/h200_{suite}.json there"
-    )
+    data = json.loads(path.read_text())
+    if not data["cases"]:
+        raise FileNotFoundError(f"{path} has no {suite} cases")
+    header = {k: v for k, v in data.items() if k != "cases"}
+    return Results(suite, path, header, data["cases"])
 
 
 def load_all(directory: Path = RESULTS_DIR) -> dict[str, Results]:
@@ -111,63 +101,6 @@ def load_all(directory: Path = RESULTS_DIR) -> dict[str, Results]:
     if not found:
         raise FileNotFoundError(f"no benchmark results in {directory}")
     return found
-
-
-def _run_number(path: Path) -> int:
-    match = re.search(r"run(\d+)", path.name)
-    return int(match.group(1)) if match else 0
-
-
-def _from_file(suite: str, path: Path, normalize) -> Results:
-    data = json.loads(path.read_text())
-    header = {k: v for k, v in data.items() if k != "cases"}
-    cases = [c for c in (normalize(suite, dict(c)) for c in data["cases"]) if c is not None]
-    if not cases:
-        raise FileNotFoundError(f"{path} has no {suite} cases")
-    return Results(suite, path, header, cases)
-
-
-def _current(suite: str, c: dict) -> dict:
-    if suite == "e2e":
-        c.setdefault("case", f"{c['kind']}-{c.get('batch', c.get('chunk'))}")
-        c.setdefault("impl", c.get("implementation"))
-    return c
-
-
-def _legacy_decode(suite: str, c: dict) -> dict:
-    """`benchmarks.mosaic_decode` records: case `b64-ctx4096-ps16`, `kernel` labels."""
-    b, kind, ctx, page = re.fullmatch(r"b(\d+)-(ctx|ragged)(\d+)-ps(\d+)", c["case"]).groups()
-    label = c.pop("kernel")
-    impl, _, variant = label.partition(" ")
-    if label == "cudnn paged":
-        impl, variant = "cudnn-paged", "paged"
-    c.update(
-        impl=impl,
-        variant=variant or "default",
-        batch=int(b),
-        ctx=int(ctx),
-        page_size=int(page),
-        ragged=kind == "ragged",
-        l2_resident=c.get("kv_bytes", L2_BYTES + 1) <= L2_BYTES,
-        headline=True,
-    )
-    return c
-
-
-def _legacy_prefill(suite: str, c: dict) -> dict | None:
-    """`benchmarks.prefill` records: prompts `b1-t8192` and the mixed step `mixed[:part]`."""
-    prompt = re.fullmatch(r"b(\d+)-t(\d+)", c["case"])
-    if suite == "prefill" and prompt:
-        b, t = map(int, prompt.groups())
-        c.update(num_seqs=b, q_len=t, kv_len=t, chunk=False, headline=(b, t) in HEADLINE_T)
-        return c
-    if suite == "mixed" and c["case"].startswith("mixed"):
-        base, _, part = c["case"].partition(":")
-        c.update(case=c["case"], mixed=base, part=part or "mixed", headline=True)
-        if c["variant"] == "sum of parts":
-            c.update(impl="parts", variant="chunks + decodes by triton")
-        return c
-    return None
 
 
 def decode_panels(res: Results) -> list[tuple[int, int]]:
@@ -227,7 +160,7 @@ def plot_decode(res: Results):
 
 def plot_prefill(res: Results):
     """TFLOP/s of one-sequence causal prompts against T, one line per implementation, with
-    the matmul ceiling (this run's, else GPU.md's)."""
+    the matmul ceiling (this run's, else `MATMUL_PEAK_TFLOPS`)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -247,7 +180,7 @@ def plot_prefill(res: Results):
     peak, label = (
         (matmul["tflops"], "bf16 matmul (this run)")
         if matmul
-        else (MATMUL_PEAK_TFLOPS, "bf16 matmul (GPU.md)")
+        else (MATMUL_PEAK_TFLOPS, "bf16 matmul (NOTES.md)")
     )
     ax.axhline(peak, color="k", ls="--", lw=1, label=f"{label}: {peak:.0f}")
     ax.set_xscale("log", base=2)

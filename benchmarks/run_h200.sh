@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the H200: GPU tests and/or benchmarks, everything logged under $OUT.
-#   bash benchmarks/run_h200.sh tests prefill decode mosaic e2e
+#   bash benchmarks/run_h200.sh tests suites e2e
 # The recorded suites (README table, notebooks) write $OUT/h200_<suite>.json:
 #   bash benchmarks/run_h200.sh suites e2e    # decode + prefill + mixed in one process (~5 min)
 #   bash benchmarks/run_h200.sh decode-suite   # or one at a time: prefill-suite, mixed-suite
@@ -18,9 +18,6 @@ for step in "$@"; do
   case "$step" in
     tests) python3 -m pytest -m gpu -q -x --durations=10 -p no:cacheprovider ${PYTEST_ARGS:-} ;;
     tests-all) python3 -m pytest -m gpu -q --durations=10 -p no:cacheprovider ${PYTEST_ARGS:-} ;;
-    prefill) python3 -m benchmarks.prefill --out "$OUT/prefill.json" ;;
-    decode) python3 -m benchmarks.decode --out "$OUT/decode.json" ;;
-    mosaic) python3 -m benchmarks.mosaic_decode --out "$OUT/mosaic_decode.json" ;;
     suites) python3 -m benchmarks.attention --suite decode prefill mixed \
       --out "$OUT/h200_{suite}.json" ${SUITE_ARGS:-} ;;
     decode-suite|prefill-suite|mixed-suite) python3 -m benchmarks.attention \

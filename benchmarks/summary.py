@@ -98,7 +98,7 @@ def prefill_table(res: Results) -> list[str]:
     peak = (
         f"bf16 matmul {matmul['tflops']:.0f} TFLOP/s in this run"
         if matmul
-        else f"bf16 matmul {results.MATMUL_PEAK_TFLOPS:.0f} TFLOP/s (GPU.md)"
+        else f"bf16 matmul {results.MATMUL_PEAK_TFLOPS:.0f} TFLOP/s (benchmarks/NOTES.md)"
     )
     return [
         f"**Prefill**, TFLOP/s (4·D·Hq per visible query-key pair, causal; {peak}). cuDNN and "
@@ -116,14 +116,14 @@ def prefill_table(res: Results) -> list[str]:
 def mixed_table(res: Results) -> list[str]:
     rows = []
     for part in res.measured("parts"):
-        # The fastest ragged kernel's one call (older recordings timed only Triton's).
-        by = part.get("mixed_by", "triton")
-        one_call = res.pick(by).get(part["case"])
+        # The one call by the kernel that ran it fastest (none when every one call failed).
+        by = part.get("mixed_by")
+        one_call = res.pick(by).get(part["case"]) if by else None
         rows.append(
             [
                 part["case"],
                 _num(one_call, "ms", "{:.3f}"),
-                by,
+                by or "–",
                 _num(part, "ms", "{:.3f}"),
                 part["variant"],
                 _ratio(one_call, part),
