@@ -27,6 +27,9 @@ matmuls, attention and the rest, and the kernels per step: what the wall time sp
 kernels is launch gaps and host work. (The first CUPTI capture of a process has been seen to
 miss most kernels: see `benchmarks/NOTES.md`.)
 
+`--model PATH` runs a Hugging Face checkpoint (`models.checkpoint.load_pretrained`) instead of
+a built-in config, and the HF anchor then loads the same folder.
+
 `--smoke` runs the tiny config on small sizes (any machine) to check the script itself.
 """
 
@@ -45,6 +48,7 @@ from flax import nnx
 
 import jaxpaged
 from benchmarks.common import print_table, write_results
+from models.checkpoint import load_pretrained
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
 from models.engine import Engine, Stats, compiler_options, step_xla_options
@@ -123,18 +127,11 @@ def _prefill_case(engine: Engine, prompts, kind: str, chunk: int, args) -> dict:
 def _dense_layer(layer, x, k_cache, v_cache, positions, kv_lens, *, prefill: bool):
     """One decoder layer on x [B, T, hidden] with a contiguous cache [B, max_len, Hkv, D]."""
     attn = layer.attn
-    batch, num_tokens, _ = x.shape
-    h = layer.input_norm(x)
-    qkv = attn.qkv_proj(h).reshape(batch * num_tokens, -1, attn.head_dim)
-    q, k, v = jnp.split(qkv, [attn.num_q_heads, attn.num_q_heads + attn.num_kv_heads], axis=1)
-    v = v.reshape(batch, num_tokens, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    flat_pos = positions.reshape(-1)
-    q = jaxpaged.apply_rope(q, flat_pos, attn.rope_theta).reshape(
-        batch, num_tokens, -1, attn.head_dim
-    )
-    k = jaxpaged.apply_rope(k, flat_pos, attn.rope_theta).reshape(v.shape)
+    batch, num_tokens, hidden = x.shape
+    h = layer.input_norm(x).reshape(batch * num_tokens, hidden)
+    q, k, v = attn.project(h, positions.reshape(-1))
+    q = q.reshape(batch, num_tokens, -1, attn.head_dim)
+    k, v = (a.reshape(batch, num_tokens, -1, attn.head_dim) for a in (k, v))
     rows = jnp.arange(batch)[:, None]
     k_cache = k_cache.at[rows, positions].set(k)
     v_cache = v_cache.at[rows, positions].set(v)
@@ -270,9 +267,12 @@ def _kernel_summary(timings, steps: int) -> dict:
 
 
 def _step_bytes(config, batch: int, ctx: int) -> int:
-    """The bytes a decode step must read: every weight matrix outside the embedding table once
-    (the vocabulary projection included) and each sequence's cached K and V."""
-    weights = config.num_params() - config.vocab_size * config.hidden_size
+    """The bytes a decode step must read: every weight once except the embedding table's
+    unused rows (the vocabulary projection, tied or not, is read whole) and each sequence's
+    cached K and V."""
+    weights = config.num_params() - config.vocab_size * config.hidden_size * (
+        not config.tie_word_embeddings
+    )
     kv_per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim
     itemsize = jnp.dtype(config.dtype).itemsize
     return itemsize * (weights + batch * ctx * kv_per_token)
@@ -298,7 +298,9 @@ def _hf_anchor(args) -> dict | None:
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    cmd = [sys.executable, "-m", "benchmarks.hf_anchor", "--ctx", str(args.ctx), "--batches"]
+    cmd = [sys.executable, "-m", "benchmarks.hf_anchor", "--ctx", str(args.ctx)]
+    cmd += ["--model", args.model] if args.model else []
+    cmd += ["--batches"]
     done = subprocess.run(cmd + [str(b) for b in args.batches], capture_output=True, text=True)
     if done.returncode:
         print(f"HF anchor failed: {done.stderr[-2000:]}")
@@ -309,6 +311,7 @@ def _hf_anchor(args) -> dict | None:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="1b", choices=sorted(CONFIGS))
+    parser.add_argument("--model", default=None, help="a Hugging Face model folder instead")
     parser.add_argument("--implementation", default=None)
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--chunks", type=int, nargs="*", default=[256, 512, 2048])
@@ -334,7 +337,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.ctx, args.new_tokens, args.batch_prompts = 40, 6, min(args.batch_prompts, 4)
 
     hf = _hf_anchor(args) if args.hf else None  # first: torch needs the GPU's memory
-    model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
+    if args.model:
+        model, _ = load_pretrained(args.model)
+        args.config = args.model.rstrip("/").rsplit("/", 1)[-1]
+        if model.config.sliding_window and not args.no_baseline:
+            print("no dense baseline: it has no sliding window")
+            args.no_baseline = True
+    else:
+        model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     xla_options = () if args.xla_defaults else None
@@ -408,7 +418,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         record(case)
 
     implementation = {
-        op: jaxpaged.resolve_implementation(op, args.implementation, CONFIGS[args.config].dtype)
+        op: jaxpaged.resolve_implementation(op, args.implementation, model.config.dtype)
         for op in ("ragged", "decode")
     }
     for case in cases:

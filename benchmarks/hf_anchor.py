@@ -2,7 +2,9 @@
 of the `1b` config's shape (random weights, bf16, CUDA), greedy decode with a static KV cache
 and torch.compile (`cache_implementation="static"` compiles the decode step itself).
 
-    python -m benchmarks.hf_anchor --batches 1 16 64 --ctx 1024
+    python -m benchmarks.hf_anchor --batches 1 16 64 --ctx 1024 [--model PATH]
+
+`--model` loads a Hugging Face model folder (in its `torch_dtype`) instead.
 
 Prints one JSON object: versions and, per batch, the time of a decode step at `--ctx` cached
 tokens, from two generations of different lengths after a warm-up: (t(long) - t(short)) /
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--short", type=int, default=8)
     parser.add_argument("--long", type=int, default=64)
+    parser.add_argument("--model", default=None, help="a Hugging Face model folder")
     args = parser.parse_args(argv)
 
     import torch  # noqa: PLC0415 - only the GPU image has it
@@ -30,21 +33,28 @@ def main(argv: list[str] | None = None) -> dict:
 
     from models.config import CONFIGS  # noqa: PLC0415
 
-    c = CONFIGS["1b"]
-    config = transformers.Qwen3Config(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_q_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        rope_theta=c.rope_theta,
-        rms_norm_eps=c.norm_eps,
-        tie_word_embeddings=False,
-    )
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    if args.model:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
+        name = f"{type(model).__name__} from {args.model}, {model.dtype}"
+    else:
+        c = CONFIGS["1b"]
+        config = transformers.Qwen3Config(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_q_heads,
+            num_key_value_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rope_theta=c.rope_theta,
+            rms_norm_eps=c.norm_eps,
+            tie_word_embeddings=False,
+        )
+        model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+        name = "Qwen3ForCausalLM, bf16"
+    model = model.to("cuda").eval()
+    vocab_size = model.config.vocab_size
 
     def generate(ids, n):
         torch.cuda.synchronize()
@@ -65,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     cases = []
     for batch in args.batches:
-        ids = torch.randint(0, c.vocab_size, (batch, args.ctx), device="cuda")
+        ids = torch.randint(0, vocab_size, (batch, args.ctx), device="cuda")
         generate(ids, args.long)  # compiles
         generate(ids, args.short)
         short = min(generate(ids, args.short) for _ in range(2))
@@ -75,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
             dict(batch=batch, ctx=args.ctx, ms_per_step=1e3 * step, tokens_per_s=batch / step)
         )
     result = dict(
-        anchor="HF transformers Qwen3ForCausalLM, static cache + torch.compile, bf16",
+        anchor=f"HF transformers {name}, static cache + torch.compile",
         torch=torch.__version__,
         transformers=transformers.__version__,
         cases=cases,

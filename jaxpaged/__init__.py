@@ -6,7 +6,8 @@ Ops (one layer's page pool `k_pages, v_pages [P, page_size, Hkv, D]`):
   append_kv               write a step's new K/V into the pages
   merge_attention_states  combine attention over two disjoint key sets
 State: PagePool with create_pool / reserve / release / batch_metadata.
-Layer: PagedAttention (Flax NNX, GQA + RoPE over one layer's pages) with StepMetadata.
+Layer: PagedAttention (Flax NNX, GQA + RoPE over one layer's pages) with StepMetadata and
+  RopeScaling.
 """
 
 from jaxpaged.attention import (
@@ -19,7 +20,7 @@ from jaxpaged.attention import (
 )
 from jaxpaged.batch import validate_batch
 from jaxpaged.kv_cache import append_kv
-from jaxpaged.layers import PagedAttention, StepMetadata, apply_rope
+from jaxpaged.layers import PagedAttention, RopeScaling, StepMetadata, apply_rope, rope_frequencies
 from jaxpaged.page_pool import (
     PagePool,
     batch_metadata,
@@ -32,6 +33,7 @@ from jaxpaged.page_pool import (
 __all__ = [
     "PagePool",
     "PagedAttention",
+    "RopeScaling",
     "StepMetadata",
     "append_kv",
     "apply_rope",
@@ -43,6 +45,7 @@ __all__ = [
     "paged_decode_attention",
     "quiet_triton_deprecation",
     "ragged_paged_attention",
+    "rope_frequencies",
     "release",
     "reserve",
     "resolve_implementation",

@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpaged.attention import paged_decode_attention, ragged_paged_attention
@@ -77,14 +78,71 @@ class StepMetadata:
         return cls(kv_lens, page_indices, cu_q_lens, n, jnp.where(live, pos, 0), decode)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequencies rescaled for contexts longer than the model was trained on.
+
+    kind: "linear" divides every frequency by `factor` (position interpolation); "llama3"
+      (Llama 3.1 / 3.2) divides the low frequencies, of wavelength above
+      `original_max_position / low_freq_factor`, by `factor`, keeps the high ones, of
+      wavelength below `original_max_position / high_freq_factor`, and blends in between.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ("linear", "llama3"):
+            raise ValueError(f'RopeScaling.kind must be "linear" or "llama3"; got {self.kind!r}')
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be > 0; got {self.factor}")
+        if self.kind == "llama3" and not (
+            0 < self.low_freq_factor < self.high_freq_factor and self.original_max_position > 0
+        ):
+            raise ValueError(
+                "llama3 RopeScaling needs 0 < low_freq_factor < high_freq_factor and "
+                f"original_max_position > 0; got {self}"
+            )
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """f32[D/2] angular frequencies of the dimension pairs: `theta**(-2i/D)`, rescaled.
+
+    Computed in float64 on the host and rounded once, so they are the same constants in every
+    step and layer.
+    """
+    half = head_dim // 2
+    freq = theta ** (-np.arange(half, dtype=np.float64) / half)
+    if scaling is not None and scaling.kind == "linear":
+        freq = freq / scaling.factor
+    elif scaling is not None:
+        wavelen = 2 * np.pi / freq
+        low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * freq / scaling.factor + smooth * freq
+        freq = np.where(
+            wavelen > low_wavelen,
+            freq / scaling.factor,
+            np.where(wavelen < high_wavelen, freq, blended),
+        )
+    return freq.astype(np.float32)
+
+
+def apply_rope(
+    x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None
+) -> jax.Array:
     """Rotary embedding, Llama/Qwen "rotate half" convention, computed in float32.
 
     x: [T, H, D] (D even); positions: i32[T]. Dimension pairs (i, i + D/2) rotate by
-    `position * theta**(-2i/D)`. Returns x's shape and dtype.
+    `position * rope_frequencies(D, theta, scaling)[i]`. Returns x's shape and dtype.
     """
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
     angles = positions.astype(jnp.float32)[:, None, None] * inv_freq  # [T, 1, D/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -95,11 +153,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class PagedAttention(nnx.Module):
     """Grouped-query self-attention of a ragged batch over one layer's KV pages.
 
-    Llama / Qwen3 style: bias-free q/k/v/o projections, optional RMSNorm of q and k over D per
-    head (Qwen3's qk-norm), RoPE at each token's position, causal attention over the sequence's
-    cached tokens and its new ones. `dtype` is that of the parameters, the computation and the
-    pages; `precision` that of the projections (float32 on GPUs defaults to TF32 matmuls: pass
-    "highest" for IEEE float32, as the kernels' float32 dots are).
+    Llama / Qwen2 / Qwen3 / Mistral style: q/k/v/o projections (biases optional: Qwen2 has them
+    on q, k and v), optional RMSNorm of q and k over D per head (Qwen3's qk-norm), RoPE at each
+    token's position (optionally rescaled, `RopeScaling`), causal attention over the sequence's
+    cached tokens and its new ones, optionally within a sliding window of `sliding_window` keys
+    (Mistral). `dtype` is that of the parameters, the computation and the pages; `precision`
+    that of the projections (float32 on GPUs defaults to TF32 matmuls: pass "highest" for IEEE
+    float32, as the kernels' float32 dots are).
     """
 
     def __init__(
@@ -110,7 +170,11 @@ class PagedAttention(nnx.Module):
         head_dim: int,
         *,
         rope_theta: float = 10_000.0,
+        rope_scaling: RopeScaling | None = None,
         qk_norm: bool = False,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        sliding_window: int | None = None,
         norm_eps: float = 1e-6,
         dtype: jnp.dtype = jnp.float32,
         precision: jax.lax.PrecisionLike = None,
@@ -123,19 +187,17 @@ class PagedAttention(nnx.Module):
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim; got {head_dim}")
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
-        self.rope_theta = rope_theta
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.sliding_window = sliding_window
         linear = functools.partial(
-            nnx.Linear,
-            use_bias=False,
-            dtype=dtype,
-            param_dtype=dtype,
-            precision=precision,
-            rngs=rngs,
+            nnx.Linear, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs
         )
         # One [hidden, (Hq + 2 Hkv) D] matrix for q, k and v (columns in that order): one matmul
         # that reads x once, instead of three or of a concatenation of the weights every step.
-        self.qkv_proj = linear(hidden_size, (num_q_heads + 2 * num_kv_heads) * head_dim)
-        self.o_proj = linear(num_q_heads * head_dim, hidden_size)
+        self.qkv_proj = linear(
+            hidden_size, (num_q_heads + 2 * num_kv_heads) * head_dim, use_bias=qkv_bias
+        )
+        self.o_proj = linear(num_q_heads * head_dim, hidden_size, use_bias=o_bias)
         norm = functools.partial(
             nnx.RMSNorm, head_dim, epsilon=norm_eps, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
@@ -164,17 +226,13 @@ class PagedAttention(nnx.Module):
           `(out [T, hidden], k_pages, v_pages)`; padding tokens give arbitrary finite rows.
         """
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x).reshape(num_tokens, -1, self.head_dim)
-        q, k, v = jnp.split(qkv, [self.num_q_heads, self.num_q_heads + self.num_kv_heads], axis=1)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, meta.positions, self.rope_theta).astype(k_pages.dtype)
-        k = apply_rope(k, meta.positions, self.rope_theta).astype(k_pages.dtype)
+        q, k, v = self.project(x, meta.positions)
+        q, k, v = q.astype(k_pages.dtype), k.astype(k_pages.dtype), v.astype(v_pages.dtype)
         k_pages, v_pages = append_kv(
             k_pages,
             v_pages,
             k,
-            v.astype(v_pages.dtype),
+            v,
             meta.kv_lens,
             meta.page_indices,
             meta.cu_q_lens,
@@ -182,7 +240,13 @@ class PagedAttention(nnx.Module):
         )
         if meta.decode:
             out = paged_decode_attention(
-                q, k_pages, v_pages, meta.kv_lens, meta.page_indices, implementation=implementation
+                q,
+                k_pages,
+                v_pages,
+                meta.kv_lens,
+                meta.page_indices,
+                sliding_window=self.sliding_window,
+                implementation=implementation,
             )
         else:
             out = ragged_paged_attention(
@@ -193,7 +257,19 @@ class PagedAttention(nnx.Module):
                 meta.page_indices,
                 meta.cu_q_lens,
                 meta.num_seqs,
+                sliding_window=self.sliding_window,
                 implementation=implementation,
             )
         out = self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
         return out, k_pages, v_pages
+
+    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+        """x [T, hidden] at positions i32[T] -> rotated q [T, Hq, D], rotated k and v
+        [T, Hkv, D], in the layer's dtype."""
+        qkv = self.qkv_proj(x).reshape(x.shape[0], -1, self.head_dim)
+        q, k, v = jnp.split(qkv, [self.num_q_heads, self.num_q_heads + self.num_kv_heads], axis=1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, self.rope_theta, self.rope_scaling)
+        k = apply_rope(k, positions, self.rope_theta, self.rope_scaling)
+        return q, k, v

@@ -1,5 +1,6 @@
 """Model and engine configurations: `CONFIGS["tiny"]` runs on a CPU in seconds, `CONFIGS["1b"]`
-is a ~1B-parameter Llama/Qwen3-shaped decoder for GPU benchmarks."""
+is a ~1B-parameter Llama/Qwen3-shaped decoder for GPU benchmarks; `models.checkpoint` reads a
+`ModelConfig` from a Hugging Face model folder."""
 
 from __future__ import annotations
 
@@ -7,10 +8,18 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jaxpaged import RopeScaling
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder's shape; `dtype` is that of its parameters, activations and KV pages."""
+    """A decoder's shape and variant; `dtype` is that of its parameters, activations and KV pages.
+
+    The variants real checkpoints need: `qkv_bias` (Qwen2) and `o_bias` (Llama's
+    `attention_bias`), `qk_norm` (Qwen3), `rope_scaling` (Llama 3.1 / 3.2), `sliding_window`
+    (Mistral: each token attends to itself and the `sliding_window - 1` tokens before it) and
+    `tie_word_embeddings` (the output head is the embedding table).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -22,6 +31,11 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0
     norm_eps: float = 1e-6
     qk_norm: bool = True
+    qkv_bias: bool = False
+    o_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False
     dtype: jnp.dtype = jnp.float32
     # Matmul precision of the projections. Float32 runs with "highest" (IEEE, like the kernels'
     # float32 dots): GPUs default to TF32, whose 1e-3 errors would differ between chunked and
@@ -36,9 +50,14 @@ class ModelConfig:
         )
 
     def num_params(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_q_heads + 2 * self.num_kv_heads)
+        qkv = self.head_dim * (self.num_q_heads + 2 * self.num_kv_heads)
+        attn = self.hidden_size * (qkv + self.head_dim * self.num_q_heads)
+        attn += qkv * self.qkv_bias + self.hidden_size * self.o_bias
+        attn += 2 * self.head_dim * self.qk_norm
         mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attn + mlp) + 2 * self.vocab_size * self.hidden_size
+        layer = attn + mlp + 2 * self.hidden_size
+        tables = (1 if self.tie_word_embeddings else 2) * self.vocab_size * self.hidden_size
+        return self.num_layers * layer + tables + self.hidden_size
 
 
 CONFIGS: dict[str, ModelConfig] = {

@@ -1,5 +1,6 @@
-"""A Llama/Qwen3-style decoder over paged KV: RMSNorm, RoPE, GQA through
-`jaxpaged.PagedAttention`, SwiGLU MLP, optional qk-norm. Weights are seeded random."""
+"""A Llama / Qwen2 / Qwen3 / Mistral decoder over paged KV: RMSNorm, RoPE, GQA through
+`jaxpaged.PagedAttention`, SwiGLU MLP; the variants are `ModelConfig` options. Weights are
+seeded random, or read from a Hugging Face checkpoint by `models.checkpoint.load_pretrained`."""
 
 from __future__ import annotations
 
@@ -53,7 +54,11 @@ class DecoderLayer(nnx.Module):
             config.num_kv_heads,
             config.head_dim,
             rope_theta=config.rope_theta,
+            rope_scaling=config.rope_scaling,
             qk_norm=config.qk_norm,
+            qkv_bias=config.qkv_bias,
+            o_bias=config.o_bias,
+            sliding_window=config.sliding_window,
             norm_eps=config.norm_eps,
             dtype=config.dtype,
             precision=config.precision,
@@ -91,19 +96,19 @@ class Decoder(nnx.Module):
             param_dtype=config.dtype,
             rngs=rngs,
         )
-        # Logits come out of the float32 accumulator unrounded: rounded to bfloat16 they move in
-        # steps of 2^-6 at |logit| 2-4, so argmax near-ties become exact ties broken by token
-        # index and one rounding step of the chosen token's logit moves its log-probability by
-        # 0.016 nats.
-        self.lm_head = nnx.Linear(
-            config.hidden_size,
-            config.vocab_size,
-            use_bias=False,
-            dtype=config.dtype,
-            param_dtype=config.dtype,
-            precision=config.precision,
-            preferred_element_type=jnp.float32,
-            rngs=rngs,
+        # Tied: the head is the embedding table, `logits` multiplies by its transpose.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nnx.Linear(
+                config.hidden_size,
+                config.vocab_size,
+                use_bias=False,
+                dtype=config.dtype,
+                param_dtype=config.dtype,
+                precision=config.precision,
+                rngs=rngs,
+            )
         )
 
     def __call__(
@@ -124,8 +129,23 @@ class Decoder(nnx.Module):
         return self.norm(x), new_pages
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """[N, hidden] -> f32[N, vocab]."""
-        return self.lm_head(hidden)
+        """[N, hidden] -> f32[N, vocab].
+
+        Logits come out of the float32 accumulator unrounded: rounded to bfloat16 they move in
+        steps of 2^-6 at |logit| 2-4, so argmax near-ties become exact ties broken by token
+        index and one rounding step of the chosen token's logit moves its log-probability by
+        0.016 nats.
+        """
+        if self.lm_head is None:
+            weight = self.embed.embedding[...].T
+        else:
+            weight = self.lm_head.kernel[...]
+        return jnp.dot(
+            hidden.astype(self.config.dtype),
+            weight,
+            precision=self.config.precision,
+            preferred_element_type=jnp.float32,
+        )
 
 
 def init_kv_pages(config: ModelConfig, num_pages: int, page_size: int) -> KVPages:

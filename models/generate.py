@@ -1,10 +1,14 @@
-"""The demo: chunked prefill gives the logits of single-shot prefill, then generation.
+"""The demo, and text generation from a Hugging Face model folder.
 
     python -m models.generate --config tiny --prompt-len 100 --chunk-size 32 --max-new-tokens 16
+    python -m models.generate --model PATH --prompt "..." [--max-new-tokens N] [--temperature T]
 
-Builds a seeded random decoder, prefills one random prompt in one step and in chunks, generates
-from both, and prints the largest logit difference over all prompt positions, whether the
-generated tokens match, prefill and decode throughput and the attention implementation that ran.
+The demo builds a seeded random decoder, prefills one random prompt in one step and in chunks,
+generates from both, and prints the largest logit difference over all prompt positions, whether
+the generated tokens match, prefill and decode throughput and the attention implementation that
+ran. With `--model`, the checkpoint's decoder and tokenizer continue `--prompt`, printing the
+text as it is generated (a decode block at a time), until the model's EOS ids
+(`generation_config.json` / `config.json`) or `--max-new-tokens`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 import jaxpaged
+from models import checkpoint
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
 from models.engine import Engine, Stats
@@ -46,8 +52,69 @@ def run(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[Sequ
     return recorded, engine.stats
 
 
+def generate_text(args) -> dict:
+    """Continue `args.prompt` with the checkpoint at `args.model`, streaming the text to
+    stdout; returns the generated ids, text and finish reason."""
+    model, config = checkpoint.load_pretrained(args.model, dtype=args.dtype)
+    tokenizer = checkpoint.load_tokenizer(args.model)
+    ids = tokenizer.encode(args.prompt).ids
+    if not ids:
+        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
+    stop = checkpoint.eos_token_ids(args.model)
+    max_len = len(ids) + args.max_new_tokens
+    engine = Engine(
+        model,
+        EngineConfig(
+            page_size=args.page_size,
+            num_pages=-(-max_len // args.page_size),
+            max_seqs=1,
+            max_tokens_per_step=min(len(ids), 2048),
+            max_model_len=max_len,
+            max_stop_tokens=max(1, len(stop)),
+        ),
+        implementation=args.implementation,
+    )
+    params = SamplingParams(
+        args.max_new_tokens, args.temperature, args.seed, args.top_k, args.top_p, stop
+    )
+    seq = engine.add_request(ids, params)
+    stream = not args.json
+    if stream:
+        print(args.prompt, end="", flush=True)
+    start, shown = time.perf_counter(), ""
+    while engine.has_work():
+        engine.step()
+        text = tokenizer.decode(seq.output, skip_special_tokens=True)
+        # Hold back a multi-byte character until its last token arrives.
+        if stream and text.startswith(shown) and not text.endswith("\ufffd"):
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+    seconds = time.perf_counter() - start
+    result = {
+        "model": str(args.model),
+        "dtype": jnp.dtype(config.dtype).name,
+        "prompt_ids": ids,
+        "output_ids": seq.output,
+        "text": tokenizer.decode(seq.output, skip_special_tokens=True),
+        "finish_reason": seq.finish_reason,
+        "seconds": seconds,
+    }
+    if stream:
+        print(shown and result["text"][len(shown) :], flush=True)
+        print(
+            f"[{len(seq.output)} tokens in {seconds:.2f} s (compilation included), "
+            f"finish: {seq.finish_reason}]",
+            file=sys.stderr,
+        )
+    else:
+        print(json.dumps(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a Hugging Face model folder: continue --prompt")
+    parser.add_argument("--prompt", help="the text to continue (with --model)")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--chunk-size", type=int, default=32)
@@ -62,9 +129,17 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if (args.model is None) != (args.prompt is None):
+        parser.error("--prompt needs --model, and --model needs --prompt")
+    if args.model is not None:
+        if args.max_new_tokens < 1:
+            parser.error("--max-new-tokens must be >= 1")
+        return generate_text(args)
     if args.prompt_len < 1 or args.chunk_size < 1 or args.max_new_tokens < 1:
         parser.error("--prompt-len, --chunk-size and --max-new-tokens must be >= 1")
 
