@@ -20,7 +20,17 @@ from jaxpaged.attention import (
 )
 from jaxpaged.batch import validate_batch
 from jaxpaged.kv_cache import append_kv
-from jaxpaged.layers import PagedAttention, RopeScaling, StepMetadata, apply_rope, rope_frequencies
+from jaxpaged.layers import (
+    TP_AXIS,
+    PagedAttention,
+    RopeScaling,
+    StepMetadata,
+    apply_rope,
+    fuse_qkv,
+    rope_frequencies,
+    split_qkv,
+    tensor_parallel_size,
+)
 from jaxpaged.page_pool import (
     PagePool,
     batch_metadata,
@@ -31,6 +41,7 @@ from jaxpaged.page_pool import (
 )
 
 __all__ = [
+    "TP_AXIS",
     "PagePool",
     "PagedAttention",
     "RopeScaling",
@@ -40,6 +51,7 @@ __all__ = [
     "available_implementations",
     "batch_metadata",
     "create_pool",
+    "fuse_qkv",
     "merge_attention_states",
     "num_free_pages",
     "paged_decode_attention",
@@ -48,6 +60,8 @@ __all__ = [
     "rope_frequencies",
     "release",
     "reserve",
+    "split_qkv",
+    "tensor_parallel_size",
     "resolve_implementation",
     "validate_batch",
 ]

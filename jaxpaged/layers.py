@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged.attention import paged_decode_attention, ragged_paged_attention
 from jaxpaged.kv_cache import append_kv
@@ -150,6 +151,36 @@ def apply_rope(
     return rotated.astype(x.dtype)
 
 
+TP_AXIS = "tp"  # the mesh axis tensor parallelism splits heads over
+
+
+def tensor_parallel_size() -> int:
+    """The size of the `"tp"` axis of the mesh set by `jax.set_mesh` (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or TP_AXIS not in mesh.axis_names else mesh.shape[TP_AXIS]
+
+
+def fuse_qkv(wq, wk, wv, num_kv_heads: int) -> jax.Array:
+    """q, k and v projections `[..., Hq*D]`, `[..., Hkv*D]`, `[..., Hkv*D]` (kernels or biases,
+    heads along the last axis) -> one `[..., Hkv*(G+2)*D]` in KV-group-major order: for each KV
+    head, its G = Hq/Hkv query heads, then its k, then its v. Any split of the last axis into
+    equal contiguous parts (tensor parallelism) then holds whole GQA groups."""
+    *lead, cols = wk.shape
+    head_dim = cols // num_kv_heads
+    groups = [w.reshape(*lead, num_kv_heads, -1, head_dim) for w in (wq, wk, wv)]
+    return jnp.concatenate(groups, axis=-2).reshape(*lead, -1)
+
+
+def split_qkv(w, num_q_heads: int, num_kv_heads: int, head_dim: int) -> tuple[jax.Array, ...]:
+    """The inverse of `fuse_qkv`: `[..., Hkv*(G+2)*D]` -> q `[..., Hq*D]`, k and v
+    `[..., Hkv*D]`."""
+    group = num_q_heads // num_kv_heads
+    *lead, _ = w.shape
+    w = w.reshape(*lead, num_kv_heads, group + 2, head_dim)
+    q, k, v = w[..., :group, :], w[..., group, :], w[..., group + 1, :]
+    return q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)
+
+
 class PagedAttention(nnx.Module):
     """Grouped-query self-attention of a ragged batch over one layer's KV pages.
 
@@ -192,8 +223,8 @@ class PagedAttention(nnx.Module):
         linear = functools.partial(
             nnx.Linear, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs
         )
-        # One [hidden, (Hq + 2 Hkv) D] matrix for q, k and v (columns in that order): one matmul
-        # that reads x once, instead of three or of a concatenation of the weights every step.
+        # One [hidden, (Hq + 2 Hkv) D] matrix for q, k and v in KV-group-major order (`fuse_qkv`):
+        # one matmul that reads x once, and a column split over devices keeps GQA groups whole.
         self.qkv_proj = linear(
             hidden_size, (num_q_heads + 2 * num_kv_heads) * head_dim, use_bias=qkv_bias
         )
@@ -228,48 +259,75 @@ class PagedAttention(nnx.Module):
         num_tokens = x.shape[0]
         q, k, v = self.project(x, meta.positions)
         q, k, v = q.astype(k_pages.dtype), k.astype(k_pages.dtype), v.astype(v_pages.dtype)
-        k_pages, v_pages = append_kv(
-            k_pages,
-            v_pages,
-            k,
-            v,
-            meta.kv_lens,
-            meta.page_indices,
-            meta.cu_q_lens,
-            meta.num_seqs,
+        attend = functools.partial(
+            _attend, sliding_window=self.sliding_window, implementation=implementation
         )
-        if meta.decode:
-            out = paged_decode_attention(
-                q,
-                k_pages,
-                v_pages,
-                meta.kv_lens,
-                meta.page_indices,
-                sliding_window=self.sliding_window,
-                implementation=implementation,
+        tp = tensor_parallel_size()
+        if tp > 1:
+            if self.num_kv_heads % tp:
+                raise ValueError(
+                    f"num_kv_heads {self.num_kv_heads} must be a multiple of the {TP_AXIS!r} "
+                    f"mesh axis ({tp} devices): GQA groups are not split across devices"
+                )
+            # Each device appends and attends its own KV heads and their query heads.
+            heads, pages = P(None, TP_AXIS, None), P(None, None, TP_AXIS, None)
+            attend = jax.shard_map(
+                attend,
+                in_specs=(heads, heads, heads, pages, pages, P()),
+                out_specs=(heads, pages, pages),
+                check_vma=False,
             )
-        else:
-            out = ragged_paged_attention(
-                q,
-                k_pages,
-                v_pages,
-                meta.kv_lens,
-                meta.page_indices,
-                meta.cu_q_lens,
-                meta.num_seqs,
-                sliding_window=self.sliding_window,
-                implementation=implementation,
-            )
+        out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, meta)
         out = self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
         return out, k_pages, v_pages
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """x [T, hidden] at positions i32[T] -> rotated q [T, Hq, D], rotated k and v
         [T, Hkv, D], in the layer's dtype."""
-        qkv = self.qkv_proj(x).reshape(x.shape[0], -1, self.head_dim)
-        q, k, v = jnp.split(qkv, [self.num_q_heads, self.num_q_heads + self.num_kv_heads], axis=1)
+        group = self.num_q_heads // self.num_kv_heads
+        qkv = self.qkv_proj(x).reshape(x.shape[0], self.num_kv_heads, group + 2, self.head_dim)
+        q = qkv[:, :, :group].reshape(x.shape[0], self.num_q_heads, self.head_dim)
+        k, v = qkv[:, :, group], qkv[:, :, group + 1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, self.rope_theta, self.rope_scaling)
         k = apply_rope(k, positions, self.rope_theta, self.rope_scaling)
         return q, k, v
+
+
+def _attend(q, k, v, k_pages, v_pages, meta, *, sliding_window, implementation):
+    """Append one layer's new K/V to its pages and attend: (out [T, Hq, D], k_pages, v_pages).
+    Under tensor parallelism it runs on each device's heads (`shard_map`)."""
+    k_pages, v_pages = append_kv(
+        k_pages,
+        v_pages,
+        k,
+        v,
+        meta.kv_lens,
+        meta.page_indices,
+        meta.cu_q_lens,
+        meta.num_seqs,
+    )
+    if meta.decode:
+        out = paged_decode_attention(
+            q,
+            k_pages,
+            v_pages,
+            meta.kv_lens,
+            meta.page_indices,
+            sliding_window=sliding_window,
+            implementation=implementation,
+        )
+    else:
+        out = ragged_paged_attention(
+            q,
+            k_pages,
+            v_pages,
+            meta.kv_lens,
+            meta.page_indices,
+            meta.cu_q_lens,
+            meta.num_seqs,
+            sliding_window=sliding_window,
+            implementation=implementation,
+        )
+    return out, k_pages, v_pages

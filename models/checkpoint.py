@@ -8,7 +8,8 @@ Architectures: `LlamaForCausalLM` (with Llama 3.1 / 3.2 `rope_scaling` of type "
 "linear"), `Qwen2ForCausalLM` (q/k/v biases), `Qwen3ForCausalLM` (qk-norm) and
 `MistralForCausalLM` (sliding window). Weights come from `model.safetensors` or from the shards
 a `model.safetensors.index.json` names, one tensor at a time: each is read, moved to the device
-and fused there (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, transposed to [in, out]),
+and fused there (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, in the layouts of
+`jaxpaged.fuse_qkv` and `models.decoder.fuse_gate_up`, transposed to [in, out]),
 so the host never holds more than one layer's tensors beside the device copy.
 
 Every problem raises `CheckpointError` (a `ValueError`) naming the file and the rule: an unknown
@@ -21,6 +22,7 @@ warning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import warnings
@@ -31,9 +33,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpaged import RopeScaling
+from jaxpaged import RopeScaling, fuse_qkv
+from models import parallel
 from models.config import ModelConfig
-from models.decoder import Decoder
+from models.decoder import Decoder, fuse_gate_up
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -148,18 +151,19 @@ class _Param:
     combine: Callable[..., jax.Array]
 
 
-def _linear(*weights):  # HF [out, in] matrices -> one [in, sum(out)] kernel
-    return jnp.concatenate([w.T for w in weights], axis=1)
+def _linear(weight):  # HF [out, in] -> our [in, out]
+    return weight.T
 
 
-def _vector(*parts):
-    return jnp.concatenate(parts)
+def _vector(weight):
+    return weight
 
 
 def _plan(config: ModelConfig) -> dict[tuple, _Param]:
     """Our parameter paths (as `nnx.to_flat_state` names them) -> their HF tensors."""
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_q_heads * d, config.num_kv_heads * d
+    qkv = functools.partial(fuse_qkv, num_kv_heads=config.num_kv_heads)
     plan = {
         ("embed", "embedding"): _Param(
             ("model.embed_tokens.weight",), ((config.vocab_size, h),), _vector
@@ -181,13 +185,13 @@ def _plan(config: ModelConfig) -> dict[tuple, _Param]:
             ("attn", "qkv_proj", "kernel"): (
                 tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
                 ((q, h), (kv, h), (kv, h)),
-                _linear,
+                lambda *w: qkv(*(x.T for x in w)),
             ),
             ("attn", "o_proj", "kernel"): ((f"{attn}o_proj.weight",), ((h, q),), _linear),
             ("mlp", "gate_up_proj", "kernel"): (
                 (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight"),
                 ((inter, h), (inter, h)),
-                _linear,
+                lambda gate, up: fuse_gate_up(gate.T, up.T),
             ),
             ("mlp", "down_proj", "kernel"): (
                 (f"{hf}mlp.down_proj.weight",),
@@ -199,7 +203,7 @@ def _plan(config: ModelConfig) -> dict[tuple, _Param]:
             mine["attn", "qkv_proj", "bias"] = (
                 tuple(f"{attn}{p}_proj.bias" for p in "qkv"),
                 ((q,), (kv,), (kv,)),
-                _vector,
+                qkv,
             )
         if config.o_bias:
             mine["attn", "o_proj", "bias"] = ((f"{attn}o_proj.bias",), ((h,),), _vector)
@@ -231,16 +235,22 @@ def _weight_files(path: Path) -> list[Path]:
     return [single]
 
 
-def load_pretrained(path: str | Path, *, dtype=None) -> tuple[Decoder, ModelConfig]:
+def load_pretrained(
+    path: str | Path, *, dtype=None, mesh: jax.sharding.Mesh | None = None
+) -> tuple[Decoder, ModelConfig]:
     """The decoder of a local Hugging Face model folder, with its weights, and its config.
 
     dtype: that of the parameters, activations and KV pages (default: the checkpoint's
       `torch_dtype`); tensors stored in another dtype are converted on the device.
+    mesh: a tensor-parallel mesh (`models.parallel.make_mesh`): each parameter is placed split
+      over it as soon as it is read.
     """
     from safetensors import safe_open  # noqa: PLC0415 - a dependency only loading needs
 
     path = Path(path)
     config = read_config(path, dtype=dtype)
+    if mesh is not None:
+        parallel.check_divisible(config, mesh)
     plan = _plan(config)
     files = _weight_files(path)
     handles = {}
@@ -273,6 +283,8 @@ def load_pretrained(path: str | Path, *, dtype=None) -> tuple[Decoder, ModelConf
             param = plan[tuple(param_path)]
             value = param.combine(*(read(n) for n in param.names)).astype(config.dtype)
             assert value.shape == variable.shape, (param_path, value.shape, variable.shape)
+            if mesh is not None:
+                value = jax.device_put(value, parallel.param_sharding(param_path, mesh))
             values[tuple(param_path)] = value
     finally:
         handles.clear()

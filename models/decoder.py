@@ -16,9 +16,22 @@ from models.config import ModelConfig
 KVPages = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages) [P, page_size, Hkv, D]
 
 
+def fuse_gate_up(gate, up) -> jax.Array:
+    """Gate and up kernels [hidden, I] -> one [hidden, 2 I] with their columns interleaved
+    (gate_0, up_0, gate_1, ...): one matmul, and any split of the columns into equal contiguous
+    parts (tensor parallelism) holds matching gate and up columns."""
+    return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+
+
+def split_gate_up(kernel) -> tuple[jax.Array, jax.Array]:
+    """The inverse of `fuse_gate_up`."""
+    pairs = kernel.reshape(*kernel.shape[:-1], -1, 2)
+    return pairs[..., 0], pairs[..., 1]
+
+
 class MLP(nnx.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`, with gate and up as one [hidden, 2 I] matrix
-    (gate's columns first) so that they are one matmul."""
+    (`fuse_gate_up`) so that they are one matmul."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         linear = functools.partial(
@@ -33,7 +46,7 @@ class MLP(nnx.Module):
         self.down_proj = linear(config.intermediate_size, config.hidden_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        gate, up = split_gate_up(self.gate_up_proj(x))
         return self.down_proj(jax.nn.silu(gate) * up)
 
 

@@ -15,6 +15,7 @@ so the GPU does not wait for the host between blocks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -25,8 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxpaged
+from models import parallel
 from models.config import EngineConfig
 from models.decoder import Decoder, KVPages, init_kv_pages
 from models.sampling import SamplingArrays, is_stop, sample
@@ -336,7 +340,9 @@ class Engine:
     """Continuous batching over one decoder: owns its KV pages, page pool and scheduler.
 
     `overlap`: enqueue the next decode block before reading the current one's tokens (the
-    default); False syncs after every block.
+    default); False syncs after every block. `mesh`: a tensor-parallel mesh
+    (`models.parallel.make_mesh`); the parameters and KV pages are placed split over it, the
+    pool replicated, and every step runs under it (`jax.set_mesh`).
     """
 
     def __init__(
@@ -347,6 +353,7 @@ class Engine:
         implementation: str | None = None,
         xla_options: tuple[tuple[str, object], ...] | None = None,
         overlap: bool = True,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         """`xla_options`: XLA options of every step kind; None: `step_xla_options` of each
         kind's token count."""
@@ -360,10 +367,20 @@ class Engine:
         self.implementation = implementation
         self.overlap = overlap
         self.decode_rows = max(MIN_DECODE_ROWS, config.max_seqs)
+        self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
+        if mesh is not None:
+            parallel.check_divisible(model.config, mesh)
+            self.params = parallel.shard_params(self.params, mesh)
         self.param_leaves, treedef = jax.tree.flatten(self.params)
 
+        # A mesh of another platform's devices (host devices on a GPU machine) takes none of
+        # this backend's options.
+        foreign = mesh is not None and mesh.devices.flat[0].platform != jax.default_backend()
+
         def options(num_tokens, decode):
+            if foreign:
+                return ()
             if xla_options is not None:
                 return tuple(xla_options)
             return step_xla_options(num_tokens, decode=decode)
@@ -381,6 +398,10 @@ class Engine:
         self.pool = jaxpaged.create_pool(
             config.num_pages, config.page_size, config.max_seqs, config.pages_per_seq
         )
+        if mesh is not None:
+            pages = NamedSharding(mesh, parallel.KV_PAGES_SPEC)
+            self.kv_pages = jax.device_put(self.kv_pages, pages)
+            self.pool = jax.device_put(self.pool, NamedSharding(mesh, P()))
         self.scheduler = Scheduler(config)
         self.stats = Stats()
         self._next_id = 0
@@ -400,6 +421,15 @@ class Engine:
         num_steps, implementation) -> (kv_pages, pool, BlockOutputs)`, pages, pool and inputs
         donated."""
         return self._block_fn
+
+    @contextlib.contextmanager
+    def _calling(self):
+        """The context of a jitted call: the mesh, and no Triton deprecation warning."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(jaxpaged.quiet_triton_deprecation())
+            if self.mesh is not None:
+                stack.enter_context(jax.set_mesh(self.mesh))
+            yield
 
     def add_request(self, prompt: Seq[int], params: SamplingParams) -> Sequence:
         """Queue a request; it is admitted when a slot, pages and the step's budget allow."""
@@ -446,7 +476,7 @@ class Engine:
             return [] if self.overlap else self._next_block()
         inputs = self._inputs(plan)
         start = time.perf_counter()
-        with jaxpaged.quiet_triton_deprecation():
+        with self._calling():
             self.kv_pages, self.pool, out = self.step_fn(plan.decode)(
                 self.param_leaves,
                 self.kv_pages,
@@ -511,7 +541,7 @@ class Engine:
 
     def _launch_block(self, inputs: BlockInputs) -> BlockOutputs:
         start = time.perf_counter()
-        with jaxpaged.quiet_triton_deprecation():
+        with self._calling():
             self.kv_pages, self.pool, out = self.block_fn(
                 self.param_leaves,
                 self.kv_pages,

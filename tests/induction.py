@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jaxpaged
 from models.config import ModelConfig
 from models.decoder import Decoder
 
@@ -134,11 +135,8 @@ def induction_decoder(config: ModelConfig, *, seed: int = 0, noise: float = 0.25
     w["lm_head"]["kernel"][code] += _LM_GAIN / np.sqrt(head_dim) * tokens.T
     for layer in w["layers"].values():
         attn = layer["attn"]
-        attn["qkv_proj"] = {
-            "kernel": np.concatenate(
-                [attn.pop(name)["kernel"] for name in ("q_proj", "k_proj", "v_proj")], axis=1
-            )
-        }
+        q, k, v = (attn.pop(name)["kernel"] for name in ("q_proj", "k_proj", "v_proj"))
+        attn["qkv_proj"] = {"kernel": np.asarray(jaxpaged.fuse_qkv(q, k, v, config.num_kv_heads))}
 
     model = Decoder(config, rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
@@ -149,14 +147,9 @@ def induction_decoder(config: ModelConfig, *, seed: int = 0, noise: float = 0.25
 
 def _split_qkv(attn: dict, config: ModelConfig) -> None:
     """Replace the fused `qkv_proj` kernel by `q_proj`, `k_proj` and `v_proj` ones to edit."""
-    q_cols = config.num_q_heads * config.head_dim
-    k_cols = config.num_kv_heads * config.head_dim
     qkv = attn.pop("qkv_proj")["kernel"]
-    for name, cols in zip(
-        ("q_proj", "k_proj", "v_proj"),
-        np.split(qkv, [q_cols, q_cols + k_cols], axis=1),
-        strict=True,
-    ):
+    parts = jaxpaged.split_qkv(qkv, config.num_q_heads, config.num_kv_heads, config.head_dim)
+    for name, cols in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
         attn[name] = {"kernel": np.array(cols)}
 
 

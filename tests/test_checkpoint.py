@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpaged import split_qkv
 from models import generate
 from models.checkpoint import (
     CheckpointError,
@@ -120,10 +121,11 @@ def test_dtypes(tmp_path, stored, requested):
     model, model_config = load_pretrained(path, dtype=requested)
     want = jnp.dtype(requested or stored)
     assert model_config.dtype == want
-    kernel = np.asarray(model.layers[1].attn.qkv_proj.kernel[...])
+    kernel = model.layers[1].attn.qkv_proj.kernel[...]
     assert kernel.dtype == want
-    q = tensors["model.layers.1.self_attn.q_proj.weight"].astype(store).astype(want)
-    np.testing.assert_array_equal(kernel[:, : q.shape[0]], q.T)
+    _, k, _ = split_qkv(kernel, 4, 2, 64)
+    expected = tensors["model.layers.1.self_attn.k_proj.weight"].astype(store).astype(want)
+    np.testing.assert_array_equal(np.asarray(k), expected.T)
 
 
 def test_sharded_checkpoint_loads_the_same_parameters(tmp_path):

@@ -43,9 +43,8 @@ def _rms(x, scale):
 def _dense_reference(layer, x, qk_norm):
     """Causal self-attention of one whole sequence x [L, hidden]: (out [L, hidden], k, v)."""
     length = x.shape[0]
-    qkv = _f64(layer.qkv_proj.kernel[...])
-    q, k, v = np.split(qkv, [HQ * D, (HQ + HKV) * D], axis=1)
-    w = dict(q_proj=q, k_proj=k, v_proj=v)
+    q, k, v = jaxpaged.split_qkv(layer.qkv_proj.kernel[...], HQ, HKV, D)
+    w = dict(q_proj=_f64(q), k_proj=_f64(k), v_proj=_f64(v))
     w["o_proj"] = _f64(layer.o_proj.kernel[...])
     q = (x @ w["q_proj"]).reshape(length, HQ, D)
     k = (x @ w["k_proj"]).reshape(length, HKV, D)
