@@ -4,8 +4,10 @@ Ops (one layer's page pool `k_pages, v_pages [P, page_size, Hkv, D]`):
   ragged_paged_attention  prefill, chunked prefill and decode tokens in one ragged batch
   paged_decode_attention  one token per sequence, split-KV
   append_kv               write a step's new K/V into the pages
+  copy_pages              copy whole pages (a forked sequence's private last page)
   merge_attention_states  combine attention over two disjoint key sets
-State: PagePool with create_pool / reserve / release / batch_metadata.
+State: PagePool with create_pool / reserve / fork / release / batch_metadata (pages shared
+  between forked sequences are reference-counted); validate_fork checks a fork on the host.
 Layer: PagedAttention (Flax NNX, GQA + RoPE over one layer's pages) with StepMetadata and
   RopeScaling.
 """
@@ -19,7 +21,7 @@ from jaxpaged.attention import (
     resolve_implementation,
 )
 from jaxpaged.batch import validate_batch
-from jaxpaged.kv_cache import append_kv
+from jaxpaged.kv_cache import append_kv, copy_pages
 from jaxpaged.layers import (
     TP_AXIS,
     PagedAttention,
@@ -35,9 +37,11 @@ from jaxpaged.page_pool import (
     PagePool,
     batch_metadata,
     create_pool,
+    fork,
     num_free_pages,
     release,
     reserve,
+    validate_fork,
 )
 
 __all__ = [
@@ -50,7 +54,9 @@ __all__ = [
     "apply_rope",
     "available_implementations",
     "batch_metadata",
+    "copy_pages",
     "create_pool",
+    "fork",
     "fuse_qkv",
     "merge_attention_states",
     "num_free_pages",
@@ -64,5 +70,6 @@ __all__ = [
     "tensor_parallel_size",
     "resolve_implementation",
     "validate_batch",
+    "validate_fork",
 ]
 __version__ = "0.1.0"

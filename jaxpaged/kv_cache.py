@@ -1,4 +1,4 @@
-"""Writing new K/V tokens into the page pool."""
+"""Writing new K/V tokens into the page pool, and copying pages for forked sequences."""
 
 from __future__ import annotations
 
@@ -61,17 +61,65 @@ def append_kv(
     # Read the raw page id: clamping a bad one would redirect the write into another page.
     page = page_indices[seq, jnp.clip(page_slot, 0, pages_per_seq - 1)]
     ok = live & (pos >= 0) & (page_slot < pages_per_seq) & (page >= 0) & (page < num_pages)
-    # Tokens that write nothing get distinct indices past the end, so that the indices are
-    # unique (live tokens of a pool's sequences never share a slot: positions differ within a
-    # sequence and sequences own disjoint pages) and XLA scatters without ordering updates.
-    # Where a bad page table does make two tokens share a slot, one of them wins, as before.
-    nowhere = num_pages * page_size + jnp.arange(num_tokens, dtype=jnp.int32)
-    flat = jnp.where(ok, page * page_size + pos % page_size, nowhere)
+    # Live tokens of a pool's sequences never share a slot: positions differ within a sequence,
+    # and a page that receives tokens is held by their sequence alone.
+    flat = page * page_size + pos % page_size
     shape = (num_pages * page_size, num_kv_heads, head_dim)
 
     def write(pages, new):
-        flat_pages = pages.reshape(shape).at[flat].set(new, mode="drop", unique_indices=True)
-        return flat_pages.reshape(pages.shape)
+        return _set_rows(pages.reshape(shape), flat, ok, new).reshape(pages.shape)
 
-    k_pages, v_pages = write(k_pages, k), write(v_pages, v)
-    return k_pages, v_pages
+    return write(k_pages, k), write(v_pages, v)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def copy_pages(
+    k_pages: jax.Array, v_pages: jax.Array, src_pages: jax.Array, dst_pages: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Copy whole pages: page `dst_pages[i]` becomes a copy of page `src_pages[i]`.
+
+    The copies `fork` asks for: a forked sequence's private copy of its source's partly
+    filled last page. Call it for every layer's pages.
+
+    Args:
+      k_pages, v_pages: [P, page_size, Hkv, D] one layer's page pool (donated).
+      src_pages, dst_pages: i32[N] page ids; a pair with either id outside [0, P) (such as
+        fork's -1 padding) copies nothing. The destinations should be distinct (fork's are);
+        where one repeats, one of its copies wins.
+
+    Returns:
+      The updated `(k_pages, v_pages)`; every copy reads the pages as they were before any
+      write.
+    """
+    src_pages = jnp.asarray(src_pages, jnp.int32)
+    dst_pages = jnp.asarray(dst_pages, jnp.int32)
+    if src_pages.ndim != 1 or src_pages.shape != dst_pages.shape:
+        raise ValueError(
+            f"src_pages and dst_pages must be i32[N] of one length; got shapes "
+            f"{src_pages.shape}, {dst_pages.shape}"
+        )
+    if k_pages.shape != v_pages.shape or k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages and v_pages must have one shape [P, page_size, Hkv, D]; got "
+            f"{k_pages.shape}, {v_pages.shape}"
+        )
+    num_pages = k_pages.shape[0]
+    ok = (src_pages >= 0) & (src_pages < num_pages) & (dst_pages >= 0) & (dst_pages < num_pages)
+    src = jnp.clip(src_pages, 0, num_pages - 1)
+
+    def copy(pages):
+        return _set_rows(pages, dst_pages, ok, pages[src])
+
+    return copy(k_pages), copy(v_pages)
+
+
+def _set_rows(rows: jax.Array, index: jax.Array, ok: jax.Array, new: jax.Array) -> jax.Array:
+    """`rows.at[index].set(new)` for the entries where `ok` (bool[N]); the others write nothing.
+
+    They get distinct indices past the end, so that the indices are unique and XLA scatters
+    without ordering the updates. Where `ok` entries do share an index (bad metadata), one of
+    them wins.
+    """
+    nowhere = rows.shape[0] + jnp.arange(index.shape[0], dtype=jnp.int32)
+    index = jnp.where(ok, index, nowhere)
+    return rows.at[index].set(new, mode="drop", unique_indices=True)

@@ -1,8 +1,10 @@
-"""The page pool: which pages are free and which sequence owns which page, as a pytree.
+"""The page pool: which sequences hold which pages, and how many hold each, as a pytree.
 
 Every function is pure and jittable, and the pool is donated so that XLA updates it in place.
-A reservation the pool cannot satisfy leaves it unchanged and returns `ok = False`: no partial
-allocation, and no page is ever owned by two sequences.
+A reservation or fork the pool cannot satisfy leaves it unchanged and returns `ok = False`: no
+partial allocation. Sequences share pages only through `fork`, and only full pages: a page held
+by two sequences lies wholly below both their `kv_len`s, and since lengths only grow, every
+write (at positions `>= kv_len`) lands in a page its sequence holds alone.
 """
 
 from __future__ import annotations
@@ -12,34 +14,41 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("free", "page_indices", "kv_lens", "num_owned"),
+    data_fields=("refcount", "page_indices", "kv_lens", "num_owned"),
     meta_fields=("page_size",),
 )
 @dataclasses.dataclass(frozen=True)
 class PagePool:
     """Page ownership for up to `max_seqs` sequence slots.
 
-    free: bool[P], True for pages no sequence owns.
+    refcount: i32[P], how many slots hold each page (0: free). Above 1 only for full pages.
     page_indices: i32[max_seqs, pages_per_seq]; row s lists the pages of slot s in order,
       -1 past `num_owned[s]` (an id no kernel write ever lands on).
-    kv_lens: i32[max_seqs], tokens each slot holds (0 when the slot is empty).
-    num_owned: i32[max_seqs], pages each slot owns.
+    kv_lens: i32[max_seqs], tokens each slot holds (0 when the slot is empty; a slot is active
+      when it holds tokens).
+    num_owned: i32[max_seqs], pages each slot holds, `ceil(kv_len / page_size)`.
     page_size: tokens per page (static).
     """
 
-    free: jax.Array
+    refcount: jax.Array
     page_indices: jax.Array
     kv_lens: jax.Array
     num_owned: jax.Array
     page_size: int
 
     @property
+    def free(self) -> jax.Array:
+        """bool[P], True for pages no slot holds."""
+        return self.refcount == 0
+
+    @property
     def num_pages(self) -> int:
-        return self.free.shape[0]
+        return self.refcount.shape[0]
 
     @property
     def max_seqs(self) -> int:
@@ -61,7 +70,7 @@ def create_pool(num_pages: int, page_size: int, max_seqs: int, pages_per_seq: in
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1; got {value!r}")
     return PagePool(
-        free=jnp.ones((num_pages,), bool),
+        refcount=jnp.zeros((num_pages,), jnp.int32),
         page_indices=jnp.full((max_seqs, pages_per_seq), -1, jnp.int32),
         kv_lens=jnp.zeros((max_seqs,), jnp.int32),
         num_owned=jnp.zeros((max_seqs,), jnp.int32),
@@ -72,6 +81,9 @@ def create_pool(num_pages: int, page_size: int, max_seqs: int, pages_per_seq: in
 @functools.partial(jax.jit, donate_argnums=0)
 def reserve(pool: PagePool, seq_ids: jax.Array, new_lens: jax.Array) -> tuple[PagePool, jax.Array]:
     """Grow sequences to `new_lens` tokens, taking the pages they need from the free list.
+
+    The new tokens land in the sequence's last page or in fresh pages, which it holds alone
+    (pages are shared only while full), so growing never needs a copy.
 
     Args:
       pool: the pool (donated).
@@ -95,51 +107,149 @@ def reserve(pool: PagePool, seq_ids: jax.Array, new_lens: jax.Array) -> tuple[Pa
         jnp.clip(new_lens, 0, capacity), mode="drop"
     )
     extra = jnp.maximum(0, -(-target // pool.page_size) - pool.num_owned)
-    ok = valid & (jnp.sum(extra) <= jnp.sum(pool.free))
+    free_ids, num_free = _free_ids(pool)
+    ok = valid & (jnp.sum(extra) <= num_free)
 
-    # The free page ids, ascending (entries past the free count are never taken); slot s takes
-    # the next `extra[s]` of them. A prefix sum and a scatter, not a sort: the engine reserves
-    # every decode step, and sorting the pool's flags cost 28 us a step at 4.7k pages (H200).
-    rank = jnp.cumsum(pool.free, dtype=jnp.int32) - 1
-    free_ids = (
-        jnp.zeros((pool.num_pages,), jnp.int32)
-        .at[jnp.where(pool.free, rank, pool.num_pages)]
-        .set(jnp.arange(pool.num_pages, dtype=jnp.int32), mode="drop")
-    )
+    # Slot s takes the next `extra[s]` free pages.
     first = jnp.cumsum(extra) - extra
     k = jnp.arange(pool.pages_per_seq, dtype=jnp.int32)[None, :]
     owned = pool.num_owned[:, None]
     fresh = (k >= owned) & (k < owned + extra[:, None])
     fresh_ids = free_ids[jnp.clip(first[:, None] + k - owned, 0, pool.num_pages - 1)]
-    taken = (
-        jnp.zeros_like(pool.free)
-        .at[jnp.where(fresh, fresh_ids, pool.num_pages)]
-        .set(True, mode="drop")
-    )
     grown = PagePool(
-        free=pool.free & ~taken,
+        refcount=pool.refcount.at[jnp.where(fresh, fresh_ids, pool.num_pages)].set(1, mode="drop"),
         page_indices=jnp.where(fresh, fresh_ids, pool.page_indices),
         kv_lens=target,
         num_owned=pool.num_owned + extra,
         page_size=pool.page_size,
     )
-    return jax.tree.map(lambda new, old: jnp.where(ok, new, old), grown, pool), ok
+    return _if_ok(ok, grown, pool), ok
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def fork(
+    pool: PagePool, src: jax.Array, dst_seq_ids: jax.Array
+) -> tuple[PagePool, jax.Array, tuple[jax.Array, jax.Array]]:
+    """Start the empty slots `dst_seq_ids` as copies of the active slot `src`, sharing its pages.
+
+    Each destination gets the source's `kv_len` and page list; the full pages are shared (their
+    refcount grows by the number of destinations). A partly filled last page (`kv_len %
+    page_size != 0`) is not: each destination gets a fresh page in its place, and the caller
+    copies the source's last page into it with `copy_pages`, in every layer, before the
+    destination's next step. Shared pages are thus always full, and appends, which write at
+    positions >= kv_len, land only in pages their sequence holds alone. Fork once the source's
+    K/V are written: the copies read its last page.
+
+    Args:
+      pool: the pool (donated).
+      src: i32[] the slot to copy; it must be active (kv_len > 0).
+      dst_seq_ids: i32[N] the new slots: empty, distinct and < max_seqs; a negative id is
+        padding and ignored.
+
+    Returns:
+      `(pool, ok, (src_pages, dst_pages))`, the page lists i32[N] of the copies the caller
+      owes (`copy_pages(k_pages, v_pages, src_pages, dst_pages)`), -1 where there is none.
+      When `src` is not an active slot, a destination is >= max_seqs, active or repeated, or
+      the free pages do not cover the copies, `ok` is False, the pool comes back unchanged
+      and both page lists are all -1; `validate_fork` names the broken rule on the host.
+    """
+    src = jnp.asarray(src, jnp.int32)
+    dst = jnp.asarray(dst_seq_ids, jnp.int32)
+    if src.ndim != 0 or dst.ndim != 1:
+        raise ValueError(
+            f"src must be a scalar and dst_seq_ids 1-D; got shapes {src.shape}, {dst.shape}"
+        )
+    src_slot = _slot_or_oob(pool, src)
+    src_len = pool.kv_lens.at[src_slot].get(mode="fill", fill_value=0)
+    src_owned = pool.num_owned.at[src_slot].get(mode="fill", fill_value=0)
+    src_row = pool.page_indices.at[src_slot].get(mode="fill", fill_value=-1)
+    live = dst >= 0
+    dst_slot = _slot_or_oob(pool, dst)
+    active = pool.kv_lens.at[dst_slot].get(mode="fill", fill_value=0) > 0
+    repeats = jnp.zeros((pool.max_seqs,), jnp.int32).at[dst_slot].add(1, mode="drop")
+    copy = live & (src_len % pool.page_size != 0)
+    free_ids, num_free = _free_ids(pool)
+    ok = (
+        (src_len > 0)  # also False for a src outside [0, max_seqs): its length reads as 0
+        & jnp.all(~live | ((dst < pool.max_seqs) & ~active))
+        & jnp.all(repeats <= 1)
+        & (jnp.sum(copy) <= num_free)
+    )
+
+    fresh = free_ids[jnp.clip(jnp.cumsum(copy) - 1, 0, pool.num_pages - 1)]
+    k = jnp.arange(pool.pages_per_seq, dtype=jnp.int32)
+    rows = jnp.where(copy[:, None] & (k == src_owned - 1), fresh[:, None], src_row)
+    shared = k < src_len // pool.page_size
+    refcount = (
+        pool.refcount.at[jnp.where(shared, src_row, pool.num_pages)]
+        .add(jnp.sum(live, dtype=jnp.int32), mode="drop")
+        .at[jnp.where(copy, fresh, pool.num_pages)]
+        .set(1, mode="drop")
+    )
+    forked = PagePool(
+        refcount=refcount,
+        page_indices=pool.page_indices.at[dst_slot].set(rows, mode="drop"),
+        kv_lens=pool.kv_lens.at[dst_slot].set(src_len, mode="drop"),
+        num_owned=pool.num_owned.at[dst_slot].set(src_owned, mode="drop"),
+        page_size=pool.page_size,
+    )
+    copied = copy & ok
+    src_pages = jnp.where(copied, src_row[jnp.maximum(src_owned - 1, 0)], -1)
+    dst_pages = jnp.where(copied, fresh, -1)
+    return _if_ok(ok, forked, pool), ok, (src_pages, dst_pages)
+
+
+def validate_fork(pool: PagePool, src, dst_seq_ids) -> None:
+    """Raise `ValueError` naming the first rule that `fork(pool, src, dst_seq_ids)` breaks.
+
+    On the host, with the pool's lengths and the ids concrete (inside `jit` a bad fork is a
+    no-op with `ok = False`). Rules: `src` is a scalar slot in [0, max_seqs) that holds tokens;
+    `dst_seq_ids` is 1-D, and each of its ids that is not negative (padding) lies in
+    [0, max_seqs), is not `src`, holds no tokens and appears once. A pool too full for the
+    copies breaks no rule: `fork` then returns `ok = False`.
+    """
+    kv_lens = np.asarray(pool.kv_lens)
+    src, dst = np.asarray(src), np.asarray(dst_seq_ids)
+    if src.ndim != 0 or dst.ndim != 1:
+        raise ValueError(
+            f"src must be a scalar and dst_seq_ids 1-D; got shapes {src.shape}, {dst.shape}"
+        )
+    src = int(src)
+    if not 0 <= src < pool.max_seqs:
+        raise ValueError(f"src {src} is outside [0, max_seqs={pool.max_seqs})")
+    if kv_lens[src] == 0:
+        raise ValueError(f"src slot {src} is inactive (kv_len 0): there is nothing to fork")
+    seen: set[int] = set()
+    for d in dst.tolist():
+        if d < 0:
+            continue
+        if d >= pool.max_seqs:
+            raise ValueError(
+                f"destination {d} is outside [0, max_seqs={pool.max_seqs}) (negative ids are "
+                "padding)"
+            )
+        if d == src:
+            raise ValueError(f"destination {d} is the source slot itself")
+        if kv_lens[d] > 0:
+            raise ValueError(
+                f"destination slot {d} is active (kv_len {kv_lens[d]}); release it first"
+            )
+        if d in seen:
+            raise ValueError(f"destination slot {d} appears more than once")
+        seen.add(d)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def release(pool: PagePool, seq_ids: jax.Array) -> PagePool:
-    """Free every page of the slots `seq_ids` (i32[N]; ids outside [0, max_seqs) are ignored)
-    and empty those slots."""
+    """Empty the slots `seq_ids` (i32[N]; ids outside [0, max_seqs) are ignored, repeats count
+    once). Each of their pages loses a holder and is free once it has none."""
     gone = jnp.zeros((pool.max_seqs,), bool).at[_slot_or_oob(pool, seq_ids)].set(True, mode="drop")
     k = jnp.arange(pool.pages_per_seq)[None, :]
     returned = gone[:, None] & (k < pool.num_owned[:, None])
-    back = (
-        jnp.zeros_like(pool.free)
-        .at[jnp.where(returned, pool.page_indices, pool.num_pages)]
-        .set(True, mode="drop")
-    )
     return PagePool(
-        free=pool.free | back,
+        refcount=pool.refcount.at[jnp.where(returned, pool.page_indices, pool.num_pages)].add(
+            -1, mode="drop"
+        ),
         page_indices=jnp.where(gone[:, None], -1, pool.page_indices),
         kv_lens=jnp.where(gone, 0, pool.kv_lens),
         num_owned=jnp.where(gone, 0, pool.num_owned),
@@ -163,6 +273,26 @@ def _slot_or_oob(pool: PagePool, seq_ids: jax.Array) -> jax.Array:
     return jnp.where(seq_ids >= 0, seq_ids, pool.max_seqs)
 
 
+def _free_ids(pool: PagePool) -> tuple[jax.Array, jax.Array]:
+    """The free page ids ascending (i32[P]; entries past the free count are 0 and never taken)
+    and the free count (i32[])."""
+    # A prefix sum and a scatter, not a sort: the engine reserves every decode step, and sorting
+    # the pool's flags cost 28 us a step at 4.7k pages (H200).
+    free = pool.free
+    rank = jnp.cumsum(free, dtype=jnp.int32) - 1
+    free_ids = (
+        jnp.zeros((pool.num_pages,), jnp.int32)
+        .at[jnp.where(free, rank, pool.num_pages)]
+        .set(jnp.arange(pool.num_pages, dtype=jnp.int32), mode="drop")
+    )
+    return free_ids, rank[-1] + 1
+
+
+def _if_ok(ok: jax.Array, new: PagePool, old: PagePool) -> PagePool:
+    # All or nothing: a refused request returns the pool it was given.
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
 def num_free_pages(pool: PagePool) -> jax.Array:
-    """Pages no sequence owns (i32 scalar)."""
+    """Pages no slot holds (i32 scalar)."""
     return jnp.sum(pool.free, dtype=jnp.int32)

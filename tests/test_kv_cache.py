@@ -86,3 +86,39 @@ def test_append_updates_donated_pages_in_place():
     k_pages = batch.k_pages
     jaxpaged.append_kv(k_pages, batch.v_pages, *args)
     assert k_pages.is_deleted()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_copy_pages_copies_whole_pages_and_skips_bad_ids(dtype):
+    rng = np.random.default_rng(2)
+    k = rng.standard_normal((8, 4, 2, 16))
+    k[3, 2:] = np.nan  # a page's unused tail: copied as it is
+    k_pages, v_pages = jnp.asarray(k, dtype), jnp.asarray(-k, dtype)
+    # Page 0 is read by one copy and written by another: the copy reads it as it was. Pairs with
+    # an id outside [0, 8) copy nothing.
+    src = jnp.array([3, 0, 5, -1, 9, 2], jnp.int32)
+    dst = jnp.array([6, 4, 0, 1, 2, -1], jnp.int32)
+    want_k, want_v = np.array(k_pages), np.array(v_pages)
+    for s, d in ((3, 6), (0, 4), (5, 0)):
+        want_k[d], want_v[d] = np.asarray(k_pages[s]), np.asarray(v_pages[s])
+    k_out, v_out = jaxpaged.copy_pages(k_pages, v_pages, src, dst)
+    np.testing.assert_array_equal(_bits(k_out), _bits(want_k))
+    np.testing.assert_array_equal(_bits(v_out), _bits(want_v))
+
+
+def test_copy_pages_updates_donated_pages_in_place():
+    k_pages = jnp.asarray(np.random.default_rng(3).standard_normal((8, 4, 2, 16)), jnp.float32)
+    v_pages = -k_pages
+    src, dst = jnp.array([1, -1]), jnp.array([2, -1])
+    hlo = jaxpaged.copy_pages.lower(k_pages, v_pages, src, dst).compile().as_text()
+    assert "input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }" in hlo
+    jaxpaged.copy_pages(k_pages, v_pages, src, dst)
+    assert k_pages.is_deleted() and v_pages.is_deleted()
+
+
+def test_copy_pages_checks_shapes_before_tracing():
+    pages = jnp.zeros((8, 4, 2, 16))
+    with pytest.raises(ValueError, match="src_pages and dst_pages must be i32"):
+        jaxpaged.copy_pages(pages, pages + 0, jnp.array([1, 2]), jnp.array([3]))
+    with pytest.raises(ValueError, match="k_pages and v_pages must have one shape"):
+        jaxpaged.copy_pages(pages, jnp.zeros((8, 4, 2, 8)), jnp.array([1]), jnp.array([3]))
