@@ -32,6 +32,7 @@ from benchmarks.common import (
     print_table,
     write_results,
 )
+from jaxpaged.dispatch import many_short_sequences
 from pallas_kernels.common import H200_NUM_SMS
 from pallas_kernels.mosaic import paged_decode as mosaic
 
@@ -48,7 +49,7 @@ CASES = [
     ("b1-ctx32768-ps64", 1, 32768, 64),
     ("b64-ragged4096-ps16", 64, "ragged", 16),
 ]
-# Cases either side of `implementation=None`'s thresholds (`mosaic.is_preferred`: contexts of
+# Cases either side of `implementation=None`'s thresholds (`many_short_sequences`: contexts of
 # at most 512 tokens with more than two (sequence, KV head) items per SM stay with Triton) and
 # of the in-kernel ordering's (`mosaic._MAX_SLOTS_RANKED`), run only when named in `--cases`.
 DISPATCH_CASES = [
@@ -183,7 +184,8 @@ def run(iterations: int, cases=None, breakdown: bool = False, out=None) -> list[
         nbytes = kv_bytes(inputs[3])
         max_len = inputs[4].shape[1] * page_size
         # What `implementation=None` runs for this batch on the H200.
-        picks = "triton" if mosaic._short_and_many(batch, NUM_KV_HEADS, max_len) else "mosaic"
+        short = many_short_sequences(batch, NUM_KV_HEADS, max_len, H200_NUM_SMS)
+        picks = "triton" if short else "mosaic"
         kernels = []
         for label, config, how in VARIANTS:
             splits = mosaic_splits(config, how, batch, max_len)

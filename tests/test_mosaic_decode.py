@@ -19,7 +19,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jaxpaged
 from pallas_kernels.common import poison_outputs
 from pallas_kernels.mosaic import paged_decode as mosaic
-from pallas_kernels.mosaic.common import on_sm90
 from tests.helpers import assert_close, lower_for_cuda, make_batch, oracle
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -173,55 +172,6 @@ def test_interpret_is_refused():
 def test_config_is_validated(options):
     with pytest.raises(ValueError):
         mosaic.MosaicDecodeConfig(**options)
-
-
-@pytest.mark.parametrize(
-    "num_seqs,max_kv_len,short_and_many",
-    [
-        (64, 512, True),  # the suite's two cases where the Triton kernel is ahead
-        (34, 512, True),  # 272 items: more than two per SM
-        (33, 512, False),  # 264: two per SM
-        (32, 512, False),
-        (64, 1024, False),  # Mosaic ahead again (runs 37-38)
-        (256, 1024, False),
-        (64, 2048, False),
-        (8, 512, False),
-        (1, 32768, False),
-        (256, 4096, False),
-    ],
-)
-def test_short_and_many(num_seqs, max_kv_len, short_and_many):
-    assert mosaic._short_and_many(num_seqs, 8, max_kv_len) is short_and_many
-
-
-@pytest.mark.parametrize(
-    "num_seqs,max_kv_len,on_hopper_picks",
-    [(1, 32768, "mosaic"), (64, 4096, "mosaic"), (8, 512, "mosaic"), (64, 512, "triton")],
-)
-def test_implementation_none_picks(num_seqs, max_kv_len, on_hopper_picks):
-    """`implementation=None` for decode: this kernel on Hopper for bf16/f16 inputs it takes,
-    except many short sequences (the Triton kernel); here the device decides."""
-    shape = dict(head_dim=128, page_size=16, num_seqs=num_seqs, num_kv_heads=8)
-    picked = jaxpaged.resolve_implementation(
-        "decode", None, jnp.bfloat16, **shape, max_kv_len=max_kv_len
-    )
-    if on_sm90():
-        assert picked == on_hopper_picks
-    else:
-        assert picked in ("triton", "xla")
-    # Inputs it does not take go elsewhere on any device.
-    assert not mosaic.is_preferred(jnp.dtype(jnp.float32), 128, 16)
-    assert not mosaic.is_preferred(jnp.dtype(jnp.bfloat16), 96, 16)
-    assert jaxpaged.resolve_implementation(
-        "decode", None, jnp.float32, **shape, max_kv_len=max_kv_len
-    ) in ("triton", "xla")
-
-
-def test_resolve_implementation_checks_decode_shape():
-    with pytest.raises(TypeError, match="unexpected"):
-        jaxpaged.resolve_implementation("ragged", None, jnp.bfloat16, num_seqs=4)
-    with pytest.raises(TypeError, match="unexpected"):
-        jaxpaged.resolve_implementation("decode", None, jnp.bfloat16, batch=4)
 
 
 @pytest.mark.parametrize(

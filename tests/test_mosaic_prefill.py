@@ -247,27 +247,3 @@ def test_gpu_long_causal_prefill(page_size):
         pad_seqs=0,
     )
     _check_against_reference(batch, jnp.bfloat16, implementation="mosaic")
-
-
-@pytest.mark.parametrize(
-    "dtype,head_dim,page_size",
-    [
-        (jnp.float32, 128, 16),
-        (jnp.bfloat16, 96, 16),
-        (jnp.bfloat16, 128, 12),
-        (jnp.float16, 64, 256),
-    ],
-)
-def test_not_preferred_for_inputs_it_does_not_take(dtype, head_dim, page_size):
-    """`implementation=None` falls back to the Triton kernel for these, on any device."""
-    assert not mosaic.is_preferred(jnp.dtype(dtype), head_dim=head_dim, page_size=page_size)
-    assert jaxpaged.resolve_implementation(
-        "ragged", None, dtype, head_dim=head_dim, page_size=page_size
-    ) in ("triton", "xla")
-
-
-def test_preferred_only_on_hopper():
-    on_hopper = jax.devices()[0].platform == "gpu" and jax.devices()[0].compute_capability == "9.0"
-    assert mosaic.is_preferred(jnp.dtype(jnp.bfloat16), head_dim=128, page_size=16) == on_hopper
-    expected = "mosaic" if on_hopper else "xla"
-    assert jaxpaged.resolve_implementation("ragged", None, jnp.bfloat16, head_dim=128) == expected

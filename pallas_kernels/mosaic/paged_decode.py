@@ -57,7 +57,7 @@ from pallas_kernels.mosaic.common import (
     check_inputs,
     check_pipeline,
     check_smem,
-    preferred,
+    default_block_kv,
 )
 from pallas_kernels.triton.merge import merge_partials
 
@@ -71,14 +71,9 @@ _DEFAULT_STAGE_BYTES = 128 * 1024
 # left idle, a short sequence split to one step per program finishes sooner than with fewer,
 # longer splits, though each pays the pipeline fill (benchmarks/NOTES.md, session 8).
 _MIN_STEPS_PER_SPLIT = 1
-# `implementation=None` picks this kernel on sm_90 (see `is_preferred`).
-_PREFERRED_ON_SM90 = True
 # Batches of up to this many slots (one per thread of a warpgroup) are ordered by length
 # inside the kernel (`_ordering`): at 256 the count cost more than XLA's sort (H200 run 38).
 _MAX_SLOTS_RANKED = 128
-# Contexts up to this many tokens, in batches of more (sequence, KV head) pairs than twice the
-# SMs, stay with the Triton kernel (`is_preferred`).
-_SHORT_CONTEXT = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +121,7 @@ def default_config(head_dim: int) -> MosaicDecodeConfig:
     of 2026-11-29 at D=128. Persistent programs with the longest sequences first, except at
     D=256, where the 64 KiB of float32 output staging leave a persistent program too little
     room beside two stages."""
-    block_kv = 128 if head_dim <= 128 else 64
+    block_kv = default_block_kv(head_dim)
     stage_bytes = 2 * block_kv * head_dim * 2
     return MosaicDecodeConfig(
         block_kv=block_kv,
@@ -157,44 +152,6 @@ def choose_num_splits(
     programs = num_seq_slots * num_kv_heads
     by_length = max(1, max_steps // _MIN_STEPS_PER_SPLIT)
     return max(1, min(num_sms // programs, by_length))
-
-
-def is_preferred(
-    dtype: jnp.dtype,
-    head_dim: int = 128,
-    page_size: int = 16,
-    *,
-    num_seqs: int | None = None,
-    num_kv_heads: int | None = None,
-    max_kv_len: int | None = None,
-) -> bool:
-    """Whether `implementation=None` picks this kernel: bf16/f16 inputs of shapes it takes, on
-    an sm_90 device, except for many short sequences.
-
-    Over the H200 decode suite (run 19, `benchmarks/results/h200_decode.json`) this kernel was
-    0.99-1.32x the Triton kernel's speed (geomean 1.09x) on 20 of 22 cases, but 0.87-0.88x at
-    B=64 with 512-token contexts: 512 items of four steps each, where a persistent program's
-    fixed costs per item (Q copy, output write) outweigh the Triton kernel's small programs.
-    At 1024 tokens it is ahead again (B=64 1.01-1.03x, B=256 1.01-1.02x; runs 37-38,
-    `benchmarks/results/mosaic_decode_h200_run3[78]*.json`); B=32 at 512 tokens is even.
-    So a batch whose page table holds at most `_SHORT_CONTEXT` tokens per sequence
-    (`max_kv_len`, static) with more than two (sequence, KV head) items per SM of the device
-    stays with the Triton kernel. Without `num_seqs`, `num_kv_heads` and `max_kv_len` only
-    the first part is checked.
-    """
-    block_kv = default_config(head_dim).block_kv
-    if not preferred(_PREFERRED_ON_SM90, dtype, head_dim, page_size, block_kv):
-        return False
-    if None in (num_seqs, num_kv_heads, max_kv_len):
-        return True
-    return not _short_and_many(num_seqs, num_kv_heads, max_kv_len, device_num_sms())
-
-
-def _short_and_many(
-    num_seqs: int, num_kv_heads: int, max_kv_len: int, num_sms: int = H200_NUM_SMS
-) -> bool:
-    """Many short items: where the Triton decode kernel is ahead (`is_preferred`)."""
-    return max_kv_len <= _SHORT_CONTEXT and num_seqs * num_kv_heads > 2 * num_sms
 
 
 def paged_decode_attention(

@@ -45,7 +45,12 @@ from pallas_kernels.common import (
     sanitize_metadata,
     visible,
 )
-from pallas_kernels.mosaic.common import check_inputs, check_pipeline, check_smem, preferred
+from pallas_kernels.mosaic.common import (
+    check_inputs,
+    check_pipeline,
+    check_smem,
+    default_block_kv,
+)
 from pallas_kernels.triton import ragged_prefill as triton_prefill
 
 _ROWS = 64  # rows per compute warpgroup: the `wgmma` M
@@ -55,9 +60,6 @@ _TOKENS = _ROWS * _COMPUTE_WGS  # rows per block
 # 8 tokens, so blocks start there (`plan_blocks(align=8)`).
 _ALIGN = 8
 _SWIZZLE = 128  # bytes
-# The H200 run of 2026-11-30 (benchmarks/NOTES.md): 0.99x cuDNN paged on B=1 T=8192, where the
-# Triton kernel reaches 0.54x.
-_PREFERRED_ON_SM90 = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +84,7 @@ class MosaicPrefillConfig:
 
 def default_config(head_dim: int) -> MosaicPrefillConfig:
     """128-key steps (64 at D=256, where two 128-key stages would not fit), two stages."""
-    return MosaicPrefillConfig(block_kv=128 if head_dim <= 128 else 64)
-
-
-def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> bool:
-    """Whether `implementation=None` may pick this kernel for such inputs: bf16/f16 and shapes
-    it takes (D a multiple of 64 up to 256, a page size that is a multiple of 8 dividing the
-    default step) on sm_90; elsewhere the Triton kernel serves."""
-    block_kv = default_config(head_dim).block_kv
-    return preferred(_PREFERRED_ON_SM90, dtype, head_dim, page_size, block_kv)
+    return MosaicPrefillConfig(block_kv=default_block_kv(head_dim))
 
 
 def ragged_paged_attention(
