@@ -88,7 +88,7 @@ def main():
             what="default",
             kernels=kernels(mosaic_fn(None, None), *inputs, iterations=it),
         )
-        with mock.patch.object(mosaic, "merge_partials", lambda o, l, out_dtype: (o, l)):
+        with mock.patch.object(mosaic, "merge_splits", lambda o, l, out_dtype: (o, l)):
             attention = jax.jit(mosaic_fn(None, None))
             partials = jax.block_until_ready(attention(*inputs))  # traced inside the patch
         add(

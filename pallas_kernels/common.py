@@ -159,6 +159,23 @@ def merge_partial_states(
     return out, lse
 
 
+def merge_splits(outs: jax.Array, lses: jax.Array, *, out_dtype) -> tuple[jax.Array, jax.Array]:
+    """The split-KV merge of a decode kernel in XLA: `merge_partial_states` along the splits.
+
+    Args:
+      outs: f32[X, splits, Y, D] normalized partial outputs.
+      lses: f32[X, splits, Y] their natural-log LSEs; -inf marks an empty partial (its output
+        row is ignored, even if NaN).
+      out_dtype: dtype of the merged output.
+
+    Returns:
+      `out` [X, Y, D] in `out_dtype` and `lse` f32[X, Y]; rows whose partials are all empty
+      give 0 and -inf.
+    """
+    out, lse = merge_partial_states(outs, lses, axis=1)
+    return out.astype(out_dtype), lse
+
+
 _POISON = [False]
 
 

@@ -19,7 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jaxpaged
 from pallas_kernels.common import poison_outputs
 from pallas_kernels.mosaic import paged_decode as mosaic
-from tests.helpers import assert_close, lower_for_cuda, make_batch, oracle
+from tests.helpers import assert_close, make_batch, oracle
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEADS = [(4, 4), (16, 4), (16, 2)]  # (Hq, Hkv): GQA groups 1, 4, 8
@@ -35,10 +35,9 @@ def _lower_for_hopper(fn, *args) -> str:
     """Lower `fn(*args)` for CUDA on this machine and return the StableHLO text.
 
     Mosaic GPU reads the compute capability off the default device and assumes sm_90 when that
-    device is not a GPU; the split merge is a Triton kernel, which `lower_for_cuda` shows an
-    sm_90 device.
+    device is not a GPU.
     """
-    return lower_for_cuda(fn, *args)
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, dtype, *, seqs=3, pages=40):
@@ -75,7 +74,6 @@ LOWERING_FEATURES = [
     dict(config=mosaic.MosaicDecodeConfig(block_kv=256, num_stages=1), num_splits=2),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4), num_splits=40),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, longest_first=True)),
-    dict(config=mosaic.MosaicDecodeConfig(merge_kernel=False), num_splits=3),
     dict(config=mosaic.MosaicDecodeConfig(persistent=False), num_splits=3),
     dict(config=mosaic.MosaicDecodeConfig(persistent=False, longest_first=False)),
     dict(config=mosaic.MosaicDecodeConfig(longest_first=False), num_splits=2),
@@ -111,14 +109,13 @@ def test_one_split_launches_only_the_kernel(num_q_heads, num_kv_heads):
     assert ops == {"stablehlo.custom_call"}, ops
 
 
-def test_splits_merge_in_one_kernel():
-    """With several splits, the kernel's partials are merged by one Triton kernel (or in XLA
-    when the config says so)."""
+def test_splits_merge_in_xla():
+    """With several splits, the kernel's partials are merged in XLA: one custom call, the
+    kernel's, and no Triton kernel."""
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
     text = _lower_for_hopper(_mosaic_fn(num_splits=4), *args)
-    assert "merge_split_kv" in text
-    xla = mosaic.MosaicDecodeConfig(merge_kernel=False)
-    assert "merge_split_kv" not in _lower_for_hopper(_mosaic_fn(num_splits=4, config=xla), *args)
+    assert text.count("stablehlo.custom_call") == 1 and "mosaic_gpu" in text
+    assert "stablehlo.reduce" in text
 
 
 def test_cross_lowers_poisoned():
@@ -313,7 +310,6 @@ FEATURES = [
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4), num_splits=40),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, longest_first=True)),
     dict(config=mosaic.MosaicDecodeConfig(longest_first=True), num_splits=3),
-    dict(config=mosaic.MosaicDecodeConfig(merge_kernel=False), num_splits=5),
     dict(config=mosaic.MosaicDecodeConfig(persistent=False), num_splits=3),
     dict(config=mosaic.MosaicDecodeConfig(persistent=False, longest_first=False), num_splits=1),
     dict(config=mosaic.MosaicDecodeConfig(longest_first=False), num_splits=3),

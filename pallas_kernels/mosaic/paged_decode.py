@@ -19,12 +19,12 @@ program:
 Split `i` covers the fixed pipeline steps `[i * chunk, (i + 1) * chunk)` of the visible range
 (a split past a short sequence's end loops zero times), so that in a ragged batch no item is
 longer than one chunk. With one split the kernel's outputs are final (page-table and length
-clamps happen in the kernel); with more, the f32 partials are merged by one more Pallas kernel
-(`pallas_kernels.triton.merge`). Bytes past `kv_len` (the tail of the last page, pages named by
-garbage table entries, keys before a sliding window) may be loaded, but never reach the output:
-their logits are replaced by -inf and, on the at most two steps per sequence that hold such
-rows, their V rows are zeroed in shared memory before the P V product (P is exactly 0 there,
-but 0 * NaN is NaN).
+clamps happen in the kernel); with more, the f32 partials are merged in XLA
+(`pallas_kernels.common.merge_splits`). Bytes past `kv_len` (the tail of the last page, pages
+named by garbage table entries, keys before a sliding window) may be loaded, but never reach
+the output: their logits are replaced by -inf and, on the at most two steps per sequence that
+hold such rows, their V rows are zeroed in shared memory before the P V product (P is exactly
+0 there, but 0 * NaN is NaN).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from pallas_kernels.common import (
     device_num_sms,
     finalize,
     logits_base2,
-    merge_partial_states,
+    merge_splits,
     online_softmax_step,
     poison_enabled,
     poisoned,
@@ -59,7 +59,6 @@ from pallas_kernels.mosaic.common import (
     check_smem,
     default_block_kv,
 )
-from pallas_kernels.triton.merge import merge_partials
 
 _TILE_M = 64  # `wgmma` M: the rows of the score tile.
 _SWIZZLE = 128  # bytes; every supported D is a multiple of the 64 16-bit elements this spans.
@@ -101,15 +100,12 @@ class MosaicDecodeConfig:
         fill once, not once per item. With `longest_first` the snake deals long and short
         items alike to every SM. The default (with `longest_first`): on the H200 (run 18)
         a ragged batch went from 3.49 to 3.90 TB/s of KV, uniform ones stayed within 2%.
-      merge_kernel: merge the splits in one Pallas kernel (`pallas_kernels.triton.merge`);
-        False: in XLA (`pallas_kernels.common.merge_partial_states`, several small kernels).
     """
 
     block_kv: int = 128
     num_stages: int = 2
     longest_first: bool = True
     persistent: bool = True
-    merge_kernel: bool = True
 
     def __post_init__(self):
         check_pipeline(self.block_kv, self.num_stages)
@@ -293,10 +289,7 @@ def paged_decode_attention(
         out, lse = plgpu.kernel(body, out_type=out_types, **kernel_kwargs)(*inputs)
     if num_splits == 1:
         return out, lse
-    if config.merge_kernel:
-        return merge_partials(out, lse, out_dtype=q.dtype)
-    out, lse = merge_partial_states(out, lse, axis=1)
-    return out.astype(q.dtype), lse
+    return merge_splits(out, lse, out_dtype=q.dtype)
 
 
 def _profile_params(profile_dir: str | None) -> dict:

@@ -26,7 +26,6 @@ from pallas_kernels.common import (
     dot_f32,
     finalize,
     logits_base2,
-    merge_partial_states,
     online_softmax_step,
     poison_enabled,
     poisoned,
@@ -57,14 +56,11 @@ class DecodeConfig:
         before its K and V loads, so K and V get a second buffer (the next tile's loads
         overlapping this tile's math) only from 5 stages on (Triton 3.6 for sm_90); with fewer,
         the programs resident on an SM (about 4 at the defaults) keep the loads in flight.
-      merge_kernel: merge the splits in one Pallas kernel (`pallas_kernels.triton.merge`);
-        False: in XLA (`pallas_kernels.common.merge_partial_states`, several small kernels).
     """
 
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    merge_kernel: bool = True
 
     def __post_init__(self):
         if self.block_kv < 16 or self.block_kv & (self.block_kv - 1):
@@ -363,14 +359,11 @@ def _paged_decode(
     lses = lses.reshape(num_splits, num_seq_slots, num_q_heads)
     if num_splits == 1:
         return outs[0], lses[0]
-    if config.merge_kernel:
-        rows = num_seq_slots * num_q_heads
-        out, lse = merge_partials(
-            outs.reshape(1, num_splits, rows, head_dim),
-            lses.reshape(1, num_splits, rows),
-            out_dtype=q.dtype,
-            interpret=interpret,
-        )
-        return out.reshape(q.shape), lse.reshape(num_seq_slots, num_q_heads)
-    out, lse = merge_partial_states(outs, lses)
-    return out.astype(q.dtype), lse
+    rows = num_seq_slots * num_q_heads
+    out, lse = merge_partials(
+        outs.reshape(1, num_splits, rows, head_dim),
+        lses.reshape(1, num_splits, rows),
+        out_dtype=q.dtype,
+        interpret=interpret,
+    )
+    return out.reshape(q.shape), lse.reshape(num_seq_slots, num_q_heads)
