@@ -229,3 +229,11 @@ def lower_for_cuda(fn, *args, compute_capability: int = 90) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         pallas_call_registration.gpu_info_lib = saved
+
+
+def lower_for_hopper(fn, *args) -> str:
+    """Lower `fn(*args)` for CUDA on this (GPU-less) machine and return the StableHLO text, as
+    the Mosaic GPU kernels need it: Mosaic GPU assumes sm_90 when the default device is not a
+    GPU. Unlike `lower_for_cuda` this shows Triton no device, so a Triton kernel inside `fn`
+    fails to lower: the Mosaic GPU backend must run none."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

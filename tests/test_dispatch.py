@@ -2,6 +2,9 @@
 A100 and CPU, the rule for many short decode sequences, and that the Mosaic GPU kernels stand
 without the Triton folder."""
 
+import ast
+import pathlib
+
 import jax.numpy as jnp
 import pytest
 
@@ -119,3 +122,17 @@ def test_without_triton(monkeypatch):
     assert dispatch.choose("decode", _decode(1, 32768), H200) == "mosaic"
     assert dispatch.choose("decode", _decode(1, 32768, dtype=F32), H200) == "xla"
     assert dispatch.choose("ragged", dispatch.Call(BF16, 128, 16), H200) == "mosaic"
+
+
+def test_mosaic_imports_nothing_from_triton():
+    """Deleting pallas_kernels/triton/ (and its table rows) leaves the Mosaic GPU backend whole."""
+    mosaic = pathlib.Path(__file__).parent.parent / "pallas_kernels" / "mosaic"
+    for path in mosaic.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(n.startswith("pallas_kernels.triton") for n in names), path

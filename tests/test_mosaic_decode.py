@@ -2,9 +2,10 @@
 
 Without a GPU: the Pallas -> Mosaic GPU lowering runs here for every supported shape (cross-
 lowering for CUDA, which includes Mosaic GPU's layout inference and dialect lowering, but not
-ptxas or a launch), plus the checks that run before tracing. With a GPU (`-m gpu`): results
-against the float64 loop of tests/helpers over the decode feature matrix. The shared decode body
-in tests/test_attention.py runs this kernel too (backend "mosaic-gpu").
+ptxas or a launch; no Triton kernel could lower here), plus the checks that run before
+tracing. With a GPU (`-m gpu`): results against the float64 loop of tests/helpers over the
+decode feature matrix. The shared decode body in tests/test_attention.py runs this kernel too
+(backend "mosaic-gpu").
 """
 
 import itertools
@@ -19,7 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jaxpaged
 from pallas_kernels.common import poison_outputs
 from pallas_kernels.mosaic import paged_decode as mosaic
-from tests.helpers import assert_close, make_batch, oracle
+from tests.helpers import assert_close, lower_for_hopper, make_batch, oracle
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEADS = [(4, 4), (16, 4), (16, 2)]  # (Hq, Hkv): GQA groups 1, 4, 8
@@ -29,15 +30,6 @@ SHAPES = list(itertools.product([64, 128, 256], HEADS, [16, 64]))
 def _shape_id(shape):
     head_dim, (num_q_heads, num_kv_heads), page_size = shape
     return f"d{head_dim}-hq{num_q_heads}-hkv{num_kv_heads}-ps{page_size}"
-
-
-def _lower_for_hopper(fn, *args) -> str:
-    """Lower `fn(*args)` for CUDA on this machine and return the StableHLO text.
-
-    Mosaic GPU reads the compute capability off the default device and assumes sm_90 when that
-    device is not a GPU.
-    """
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, dtype, *, seqs=3, pages=40):
@@ -62,7 +54,7 @@ def _mosaic_fn(**options):
 def test_cross_lowers(shape, dtype):
     head_dim, (num_q_heads, num_kv_heads), page_size = shape
     args = _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, dtype)
-    text = _lower_for_hopper(_mosaic_fn(), *args)
+    text = lower_for_hopper(_mosaic_fn(), *args)
     assert "mosaic_gpu" in text
 
 
@@ -88,7 +80,7 @@ LOWERING_FEATURES = [
 @pytest.mark.parametrize("options", LOWERING_FEATURES, ids=lambda o: "-".join(o))
 def test_cross_lowers_features(options):
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
-    assert "mosaic_gpu" in _lower_for_hopper(_mosaic_fn(**options), *args)
+    assert "mosaic_gpu" in lower_for_hopper(_mosaic_fn(**options), *args)
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(6, 1), (24, 2), (64, 1), (2, 2)])
@@ -96,7 +88,7 @@ def test_cross_lowers_odd_groups(num_q_heads, num_kv_heads):
     """Groups that are not a divisor or multiple of 8 start mid-tile, and q with fewer heads
     than one Q tile gets padded."""
     args = _abstract_args(64, num_q_heads, num_kv_heads, 16, jnp.float16)
-    assert "mosaic_gpu" in _lower_for_hopper(_mosaic_fn(), *args)
+    assert "mosaic_gpu" in lower_for_hopper(_mosaic_fn(), *args)
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (16, 2), (24, 2)])
@@ -104,7 +96,7 @@ def test_one_split_launches_only_the_kernel(num_q_heads, num_kv_heads):
     """With one split the kernel writes the final `out` and `lse` (its group's rows at their
     heads, metadata clamped inside): no XLA op runs around it."""
     args = _abstract_args(64, num_q_heads, num_kv_heads, 16, jnp.bfloat16)
-    text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     ops = {line.split("=", 1)[-1].split()[0] for line in text.splitlines() if "stablehlo." in line}
     assert ops == {"stablehlo.custom_call"}, ops
 
@@ -113,7 +105,7 @@ def test_splits_merge_in_xla():
     """With several splits, the kernel's partials are merged in XLA: one custom call, the
     kernel's, and no Triton kernel."""
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
-    text = _lower_for_hopper(_mosaic_fn(num_splits=4), *args)
+    text = lower_for_hopper(_mosaic_fn(num_splits=4), *args)
     assert text.count("stablehlo.custom_call") == 1 and "mosaic_gpu" in text
     assert "stablehlo.reduce" in text
 
@@ -122,7 +114,7 @@ def test_cross_lowers_poisoned():
     """Poisoned outputs are refs aliased to the kernel's outputs."""
     args = _abstract_args(128, 32, 8, 64, jnp.bfloat16)
     with poison_outputs():
-        text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+        text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     assert "mosaic_gpu" in text
 
 
@@ -202,20 +194,20 @@ def test_persistent_grid_and_order():
     # 3 slots x 8 KV heads x 1 split = 24 items: 24 programs of one item, no order.
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
     assert mosaic._ordering(mosaic.default_config(128), 1, 3) is None
-    assert "stablehlo.sort" not in _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    assert "stablehlo.sort" not in lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     # 64 slots x 8 KV heads = 512 items over at most 132 programs: ordered in the kernel.
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16, seqs=64)
     assert mosaic._ordering(mosaic.default_config(128), 4, 64) == "kernel"
-    text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     ops = {line.split("=", 1)[-1].split()[0] for line in text.splitlines() if "stablehlo." in line}
     assert ops == {"stablehlo.custom_call"}, ops
     # More slots than the kernel ranks: one XLA sort.
     slots = mosaic._MAX_SLOTS_RANKED + 1
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16, seqs=slots)
-    text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     assert text.count("stablehlo.sort") == 1 and "stablehlo.negate" not in text
     plain = mosaic.MosaicDecodeConfig(longest_first=False)
-    assert "stablehlo.sort" not in _lower_for_hopper(_mosaic_fn(num_splits=1, config=plain), *args)
+    assert "stablehlo.sort" not in lower_for_hopper(_mosaic_fn(num_splits=1, config=plain), *args)
 
 
 def _ranked_slots(kv_lens):
@@ -251,7 +243,7 @@ def _ranked_slots(kv_lens):
 
 def test_ranking_cross_lowers():
     lens = jax.ShapeDtypeStruct((132,), jnp.int32)
-    assert "mosaic_gpu" in _lower_for_hopper(_ranked_slots, lens)
+    assert "mosaic_gpu" in lower_for_hopper(_ranked_slots, lens)
 
 
 # ---------------------------------------------------------------------------- on the H200

@@ -58,6 +58,7 @@ from pallas_kernels.mosaic.common import (
     check_pipeline,
     check_smem,
     default_block_kv,
+    takes,
 )
 
 _TILE_M = 64  # `wgmma` M: the rows of the score tile.
@@ -126,6 +127,14 @@ def default_config(head_dim: int) -> MosaicDecodeConfig:
     )
 
 
+def supports(head_dim: int, page_size: int, group: int) -> bool:
+    """Whether the kernel with `default_config(head_dim)` takes bf16/f16 inputs of head dim
+    `head_dim`, pages of `page_size` and `group` query heads per KV head (the checks of
+    `paged_decode_attention`, without raising)."""
+    block_kv = default_config(head_dim).block_kv
+    return takes(head_dim, page_size, block_kv) and _q_rows(group) <= _TILE_M
+
+
 def choose_num_splits(
     num_seq_slots: int,
     num_kv_heads: int,
@@ -135,12 +144,11 @@ def choose_num_splits(
     """KV splits per sequence, from shapes only (static, so one compilation per batch shape).
 
     `max_steps` is the most pipeline steps a sequence can need (see `_max_steps`). Programs
-    need more registers than two can share, so one runs per SM: take the most splits that keep the
-    grid within one wave (`num_sms` programs), which hides each program's fixed costs (Q
-    copy, pipeline fill, output write) behind no other program only once; but never make a
-    split shorter than `_MIN_STEPS_PER_SPLIT` steps. Same shape of rule as
-    `pallas_kernels.triton.paged_decode.choose_num_splits`, whose fixed, rounded-up target of
-    8 programs per SM suits its small programs but would give these a second, partial wave.
+    need more registers than two can share, so one runs per SM: take the most splits that keep
+    the grid within one wave (`num_sms` programs), so that each program's fixed costs (Q copy,
+    pipeline fill, output write) are paid once per SM; but never make a split shorter than
+    `_MIN_STEPS_PER_SPLIT` steps. (The Triton decode kernel's rule, a rounded-up target of 8
+    small programs per SM, would give these a second, partial wave.)
 
     >>> choose_num_splits(1, 8, 256)  # B=1, ctx 32768, block_kv 128: 128 programs
     16

@@ -1,9 +1,9 @@
 """Ragged paged prefill for Hopper (sm_90), lowered through Mosaic GPU.
 
-The work is split as in the Triton prefill kernel (`pallas_kernels.triton.ragged_prefill`):
-an XLA plan (`pallas_kernels.block_plan`) cuts every sequence into blocks of 128 consecutive
-tokens and lists the key tiles each block needs; the grid is (query head, block), so nothing
-recompiles when the batch content changes. One program, three warpgroups:
+An XLA plan (`pallas_kernels.block_plan`, shared with the Triton prefill kernel) cuts every
+sequence into blocks of 128 consecutive tokens and lists the key tiles each block needs; the
+grid is (query head, block), so nothing recompiles when the batch content changes. One
+program, three warpgroups:
 
 * the copy warpgroup brings K and V in by TMA, one copy per page (a `[page_size, D]` box of
   the strided view `k_pages[page, :, kv_head, :]`), `block_kv // page_size` pages per step,
@@ -20,8 +20,9 @@ before the P V product (P is exactly 0 there, but 0 * NaN is NaN).
 
 Rows are written straight into the final `[T, Hq, D]` layout by TMA boxes of 64, 32, ..., 1
 rows (a block's last rows may belong to the next sequence, which must not be overwritten).
-Sequences of a few tokens (decode tokens) would waste most of a 128-row block, so they go to
-the Triton kernel's short-sequence launch (`launch_short_sequences`), as in the Triton path.
+A sequence of one token (a decode token) would waste 127 rows of a block and read its KV once
+per query head, so those go to the Mosaic GPU decode kernel in the same call
+(`MosaicPrefillConfig.short_sequences`).
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ from pallas_kernels.common import (
     sanitize_metadata,
     visible,
 )
+from pallas_kernels.mosaic import paged_decode
 from pallas_kernels.mosaic.common import (
     check_inputs,
     check_pipeline,
     check_smem,
     default_block_kv,
 )
-from pallas_kernels.triton import ragged_prefill as triton_prefill
 
 _ROWS = 64  # rows per compute warpgroup: the `wgmma` M
 _COMPUTE_WGS = 2
@@ -70,8 +71,10 @@ class MosaicPrefillConfig:
       block_kv: keys per pipeline step (the N of Q K^T): a multiple of 64 and of the page
         size, at most 256.
       num_stages: K/V steps buffered in shared memory (`2 * block_kv * D * 2` bytes each).
-      short_sequences: send sequences of at most `16 // group` tokens (at least 1) to the
-        Triton short-sequence launch instead of giving each a 128-token block.
+      short_sequences: send sequences of one token (the decode tokens of a mixed batch) to the
+        Mosaic GPU decode kernel (`pallas_kernels.mosaic.paged_decode`) instead of giving each
+        a 128-token block of its own (where the decode kernel takes the shapes: a query-head
+        group of one 64-row tile, a page size that divides its step).
     """
 
     block_kv: int = 128
@@ -105,8 +108,9 @@ def ragged_paged_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of a flat ragged batch over paged KV (bottom-right causal), Hopper only.
 
-    Semantics and arguments are those of `pallas_kernels.triton.ragged_prefill`'s entry point,
-    with q, k_pages and v_pages in bfloat16 or float16, D a multiple of 64 up to 256 and a
+    Semantics are those of `jaxpaged.reference.ragged_paged_attention_reference`, arguments
+    those of `jaxpaged.ragged_paged_attention`, with q, k_pages and v_pages in bfloat16 or
+    float16, D a multiple of 64 up to 256 and a
     page size that is a multiple of 8 dividing `config.block_kv`.
 
     Returns:
@@ -168,15 +172,14 @@ def _ragged_paged_attention(
         page_size=page_size,
     )
     options = dict(causal=causal, sliding_window=sliding_window)
-    short_config = triton_prefill.PrefillConfig.default(head_dim, q.dtype)
-    short_tokens = triton_prefill.short_tokens_of(short_config, group) * config.short_sequences
+    decode_tokens = config.short_sequences and paged_decode.supports(head_dim, page_size, group)
     plan = block_plan.plan_blocks(
         meta.cu_q_lens,
         meta.kv_lens,
         num_tokens=num_tokens,
         tokens=_TOKENS,
         block_kv=config.block_kv,
-        skip_up_to=short_tokens,
+        skip_up_to=1 if decode_tokens else 0,
         align=_ALIGN,
         **options,
     )
@@ -217,21 +220,49 @@ def _ragged_paged_attention(
         out, lse_t = (r[...] for r in out_refs)
     else:
         out, lse_t = kernel(*inputs)
-    outputs = (out, lse_t[:, :num_tokens].T)
-    if not short_tokens:
-        return outputs
-    return triton_prefill.launch_short_sequences(
+    lse = lse_t[:, :num_tokens].T
+    if not decode_tokens:
+        return out, lse
+    return _attend_decode_tokens(
         q,
         k_pages,
         v_pages,
         meta,
-        outputs,
-        config=short_config,
+        out,
+        lse,
         sm_scale=sm_scale,
+        sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
-        interpret=False,
-        **options,
     )
+
+
+def _attend_decode_tokens(
+    q, k_pages, v_pages, meta, out, lse, *, sm_scale, sliding_window, logits_soft_cap
+):
+    """Attention of the sequences of one token (the decode tokens of a mixed batch), by the
+    Mosaic GPU decode kernel, written into their rows of `out` [T, Hq, D] and `lse` f32[T, Hq];
+    other rows keep what they hold. `meta` is sanitized. Such a token sits at `kv_len - 1`,
+    where causal or not it sees keys `[0, kv_len)`: the decode kernel's semantics.
+
+    One program per (sequence, KV head), as the Triton short-sequence launch this replaces
+    (`num_splits=1`: the kernel's outputs are final, no merge). The other slots are inactive
+    (kv_len 0): they write rows that are dropped here.
+    """
+    first = meta.cu_q_lens[:-1]
+    one_token = meta.cu_q_lens[1:] - first == 1
+    dec_out, dec_lse = paged_decode.paged_decode_attention(
+        jnp.take(q, first, axis=0, mode="clip"),
+        k_pages,
+        v_pages,
+        jnp.where(one_token, meta.kv_lens, 0),
+        meta.page_indices,
+        num_splits=1,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    rows = jnp.where(one_token, first, q.shape[0])  # past the end: dropped
+    return out.at[rows].set(dec_out, mode="drop"), lse.at[rows].set(dec_lse, mode="drop")
 
 
 def _scratch(dtype, head_dim: int, page_size: int, config: MosaicPrefillConfig):

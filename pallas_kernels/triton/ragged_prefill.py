@@ -426,8 +426,7 @@ def launch_short_sequences(
 ):
     """The short-sequence launch: attention of every sequence of 1 to `short_tokens_of(config,
     group)` tokens, written into `outputs` (out [T, Hq, D], lse f32[T, Hq]) in place; other
-    rows keep what they hold. `meta` is sanitized (`sanitize_metadata`). The Mosaic GPU prefill
-    kernel uses it too, for the sequences it leaves out."""
+    rows keep what they hold. `meta` is sanitized (`sanitize_metadata`)."""
     options = dict(causal=causal, sliding_window=sliding_window)
     tokens = short_tokens_of(config, q.shape[1] // k_pages.shape[2])
     plan = plan_short_sequences(
