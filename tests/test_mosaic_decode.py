@@ -20,6 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jaxpaged
 from pallas_kernels.common import poison_outputs
 from pallas_kernels.mosaic import paged_decode as mosaic
+from pallas_kernels.mosaic import slot_order
 from tests.helpers import assert_close, lower_for_hopper, make_batch, oracle
 
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -189,20 +190,20 @@ def test_default_config(head_dim, block_kv, num_stages):
 
 def test_persistent_grid_and_order():
     """A persistent call launches one program per SM at most and orders the slots by length
-    only when a program has more than one item: inside the kernel up to `_MAX_SLOTS_RANKED`
+    only when a program has more than one item: inside the kernel up to `MAX_SLOTS_RANKED`
     slots, by one XLA sort over kv_lens beyond."""
     # 3 slots x 8 KV heads x 1 split = 24 items: 24 programs of one item, no order.
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
-    assert mosaic._ordering(mosaic.default_config(128), 1, 3) is None
+    assert slot_order.choose(mosaic.default_config(128), 1, 3) is None
     assert "stablehlo.sort" not in lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     # 64 slots x 8 KV heads = 512 items over at most 132 programs: ordered in the kernel.
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16, seqs=64)
-    assert mosaic._ordering(mosaic.default_config(128), 4, 64) == "kernel"
+    assert slot_order.choose(mosaic.default_config(128), 4, 64) == "kernel"
     text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     ops = {line.split("=", 1)[-1].split()[0] for line in text.splitlines() if "stablehlo." in line}
     assert ops == {"stablehlo.custom_call"}, ops
     # More slots than the kernel ranks: one XLA sort.
-    slots = mosaic._MAX_SLOTS_RANKED + 1
+    slots = slot_order.MAX_SLOTS_RANKED + 1
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16, seqs=slots)
     text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     assert text.count("stablehlo.sort") == 1 and "stablehlo.negate" not in text
@@ -211,14 +212,14 @@ def test_persistent_grid_and_order():
 
 
 def _ranked_slots(kv_lens):
-    """`_order_slots` as the decode kernel runs it: the copy warpgroup ranks the slots and
+    """`order_slots` as the decode kernel runs it: the copy warpgroup ranks the slots and
     arrives on a barrier; the compute warpgroup waits on it and copies the order out."""
     num = kv_lens.shape[0]
 
     def body(lens_ref, out_ref, lens_smem, order_smem, ready):
         @pl.when(jax.lax.axis_index("wg") == 1)
         def _rank():
-            mosaic._order_slots(lens_ref, lens_smem, order_smem)
+            slot_order.order_slots(lens_ref, lens_smem, order_smem)
             plgpu.barrier_arrive(ready)
 
         @pl.when(jax.lax.axis_index("wg") == 0)
@@ -388,7 +389,7 @@ def test_ranking_is_longest_first(num_slots):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_slots", [100, mosaic._MAX_SLOTS_RANKED + 4])
+@pytest.mark.parametrize("num_slots", [100, slot_order.MAX_SLOTS_RANKED + 4])
 def test_many_slots_ordered(num_slots):
     """Ragged slots with repeated lengths and inactive ones, several items per program:
     ordered inside the kernel (100 slots) or by XLA's sort (more than it ranks)."""

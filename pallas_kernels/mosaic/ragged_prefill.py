@@ -46,7 +46,7 @@ from pallas_kernels.common import (
     sanitize_metadata,
     visible,
 )
-from pallas_kernels.mosaic import paged_decode
+from pallas_kernels.mosaic import paged_decode, pipeline
 from pallas_kernels.mosaic.common import (
     check_inputs,
     check_pipeline,
@@ -60,7 +60,6 @@ _TOKENS = _ROWS * _COMPUTE_WGS  # rows per block
 # A TMA copy into tiled shared memory starts on a tile row: Q rows are copied from multiples of
 # 8 tokens, so blocks start there (`plan_blocks(align=8)`).
 _ALIGN = 8
-_SWIZZLE = 128  # bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +265,7 @@ def _attend_decode_tokens(
 
 
 def _scratch(dtype, head_dim: int, page_size: int, config: MosaicPrefillConfig):
-    tiled = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
+    tiled = pipeline.TILED
     kv = plgpu.SMEM((config.num_stages, config.block_kv, head_dim), dtype, transforms=tiled)
     pages_per_step = config.block_kv // page_size
     return (
@@ -293,7 +292,6 @@ def _scratch(dtype, head_dim: int, page_size: int, config: MosaicPrefillConfig):
 
 def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_soft_cap, config):
     block_kv, stages = config.block_kv, config.num_stages
-    pages_per_step = block_kv // page_size
 
     def body(
         plan_ref,
@@ -354,36 +352,22 @@ def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_sof
         @pl.when(wg == _COMPUTE_WGS)
         def _copy_pages():
             plgpu.set_max_registers(40, action="decrease")
-            num_pages = k_ref.shape[0]
-            # Table entries past the last page are garbage: reload the last page instead (an
-            # L2 hit); its rows are masked like every row past kv_len.
-            last_page = (jnp.maximum(kv_len, 1) - 1) // page_size
+            last = pipeline.last_page_of(kv_len, page_size)
+            kv = ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free))
 
             @pl.loop(0, num_steps)
             def _step(i):
                 slot = lax.rem(i, stages)
-                first_page = tile_of(i) * pages_per_step
-                pages = [
-                    jnp.clip(
-                        table_ref[seq, jnp.minimum(first_page + j, last_page)], 0, num_pages - 1
-                    )
-                    for j in range(pages_per_step)
-                ]
-                for src, dst, ready, free in (
-                    (k_ref, k_smem, k_ready, k_free),
-                    (v_ref, v_smem, v_ready, v_free),
-                ):
-
-                    @pl.when(i >= stages)
-                    def _wait_free(free=free):
-                        plgpu.barrier_wait(free.at[slot])
-
-                    for j, page in enumerate(pages):
-                        plgpu.copy_gmem_to_smem(
-                            src.at[page, :, kv_head, :],
-                            dst.at[slot, pl.ds(j * page_size, page_size)],
-                            ready.at[slot],
-                        )
+                pipeline.copy_step(
+                    kv,
+                    table_ref,
+                    seq=seq,
+                    block=tile_of(i),
+                    last_page=last,
+                    kv_head=kv_head,
+                    slot=slot,
+                    step=i,
+                )
 
         # The block's rows are tokens [row0_token, row0_token + 128), of which
         # [first_token, first_token + num_tokens) are the sequence's: a first block starts
@@ -442,17 +426,8 @@ def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_sof
                 p = p.astype(v_smem.dtype)
                 plgpu.barrier_arrive(rendezvous)  # softmax done: the other may multiply
                 plgpu.barrier_wait(v_ready.at[slot])
-                if masked:
-
-                    @pl.when(start + block_kv > kv_len)
-                    def _zero_tail_v():
-                        # Both warpgroups may do this at once: they write the same values.
-                        v_tile = v_smem.at[slot]
-                        key_of_row = start + plgpu.broadcasted_iota(
-                            jnp.int32, v_tile.shape, 0, layout=layout
-                        )
-                        v_tile[...] = jnp.where(key_of_row < kv_len, v_tile[...], 0)
-                        plgpu.commit_smem()
+                if masked:  # both warpgroups may zero at once: they write the same values
+                    pipeline.zero_invisible_v(v_smem.at[slot], start, kv_len, None)
 
                 plgpu.barrier_wait(rendezvous)  # the tensor cores are ours
 
