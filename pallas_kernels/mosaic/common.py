@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import poisoned_outputs
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one program may hold on sm_90
@@ -63,3 +67,15 @@ def check_smem(config, smem: int, head_dim: int) -> None:
             f"config {config} needs {smem} bytes of shared memory at D={head_dim}, over "
             f"{SMEM_LIMIT}; lower num_stages or block_kv"
         )
+
+
+def launch(body, out_types, inputs, **kernel_kwargs):
+    """`plgpu.kernel(body, out_type=out_types, **kernel_kwargs)(*inputs)`. Inside
+    `poison_outputs()` the outputs start as NaN instead: refs to `poisoned_outputs` are passed
+    in (the body sees them where it sees outputs) and read back."""
+    poisoned = poisoned_outputs(out_types)
+    if poisoned is None:
+        return plgpu.kernel(body, out_type=out_types, **kernel_kwargs)(*inputs)
+    out_refs = tuple(jax.new_ref(x) for x in poisoned)
+    plgpu.kernel(body, out_type=(), **kernel_kwargs)(*inputs, *out_refs)
+    return tuple(r[...] for r in out_refs)

@@ -22,13 +22,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (
     H200_NUM_SMS,
+    alias_outputs,
     device_num_sms,
     dot_f32,
     finalize,
     logits_base2,
     online_softmax_step,
     poison_enabled,
-    poisoned,
+    poisoned_outputs,
     visible,
 )
 from pallas_kernels.triton.merge import merge_partials
@@ -310,6 +311,7 @@ def _paged_decode(
     interpret,
     poison,
 ):
+    del poison  # a static key only (see `poison_outputs`)
     num_seq_slots, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[2]
     group = num_q_heads // num_kv_heads
@@ -321,17 +323,8 @@ def _paged_decode(
         ),
         jax.ShapeDtypeStruct((num_splits, num_seq_slots, num_kv_heads, group), jnp.float32),
     )
-    inputs = [
-        q.reshape(num_seq_slots, num_kv_heads, group, head_dim),
-        k_pages,
-        v_pages,
-        kv_lens,
-        page_indices,
-    ]
-    aliases = {}
-    if poison:
-        aliases = {len(inputs): 0, len(inputs) + 1: 1}
-        inputs += [poisoned(s) for s in out_shape]
+    inputs = [q.reshape(num_seq_slots, num_kv_heads, group, head_dim), k_pages, v_pages]
+    inputs, aliases = alias_outputs([*inputs, kv_lens, page_indices], poisoned_outputs(out_shape))
     kernel = functools.partial(
         _decode_kernel,
         block_h=max(_MIN_DOT_ROWS, pl.next_power_of_2(group)),

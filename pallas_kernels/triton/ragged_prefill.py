@@ -28,12 +28,13 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import block_plan
 from pallas_kernels.block_plan import plan_blocks, plan_short_sequences
 from pallas_kernels.common import (
+    alias_outputs,
     dot_f32,
     finalize,
     logits_base2,
     online_softmax_step,
     poison_enabled,
-    poisoned,
+    poisoned_outputs,
     sanitize_metadata,
     visible,
 )
@@ -343,6 +344,7 @@ def _ragged_paged_attention(
     interpret,
     poison,
 ):
+    del poison  # a static key only (see `poison_outputs`)
     num_tokens, num_q_heads, _ = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_tokens == 0:
@@ -375,7 +377,7 @@ def _ragged_paged_attention(
         v_pages,
         meta.page_indices,
         plan,
-        [poisoned(s) for s in _out_shapes(q)] if poison else None,
+        poisoned_outputs(_out_shapes(q)),
         name="ragged_paged_prefill",
         tokens=tokens,
         block_kv=config.block_kv,
@@ -475,11 +477,7 @@ def _launch(
     """One launch of the kernel over the q blocks of `plan`. It writes only the rows of its
     blocks: `outputs`, when given, are (out, lse) buffers that it updates in place."""
     num_q_heads, num_kv_heads = q.shape[1], k_pages.shape[2]
-    inputs = [plan, q, k_pages, v_pages, page_indices]
-    aliases = {}
-    if outputs is not None:
-        aliases = {len(inputs): 0, len(inputs) + 1: 1}
-        inputs += list(outputs)
+    inputs, aliases = alias_outputs([plan, q, k_pages, v_pages, page_indices], outputs)
     kernel = functools.partial(
         _prefill_kernel,
         sm_scale=sm_scale,
