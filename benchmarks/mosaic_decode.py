@@ -107,7 +107,7 @@ def kv_bytes(kv_lens) -> int:
 
 def mosaic_splits(config, splits, batch: int, max_len: int) -> int:
     """The split count a variant runs with."""
-    config = config or mosaic.default_config(HEAD_DIM)
+    config = config or mosaic.MosaicDecodeConfig.default(HEAD_DIM)
     max_steps = -(-max_len // config.block_kv)
     rule = mosaic.choose_num_splits(batch, NUM_KV_HEADS, max_steps, num_sms=H200_NUM_SMS)
     return rule if splits == "rule" else min(rule * splits, max_steps)

@@ -185,7 +185,7 @@ def test_choose_num_splits(seqs, kv_heads, max_steps, expected):
 def test_default_config(head_dim, block_kv, num_stages):
     """Persistent and longest first, except at D=256 (the staging buffers do not fit)."""
     want = mosaic.MosaicDecodeConfig(block_kv, num_stages, persistent=head_dim <= 128)
-    assert mosaic.default_config(head_dim) == want
+    assert mosaic.MosaicDecodeConfig.default(head_dim) == want
 
 
 def test_persistent_grid_and_order():
@@ -194,11 +194,11 @@ def test_persistent_grid_and_order():
     slots, by one XLA sort over kv_lens beyond."""
     # 3 slots x 8 KV heads x 1 split = 24 items: 24 programs of one item, no order.
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
-    assert slot_order.choose(mosaic.default_config(128), 1, 3) is None
+    assert slot_order.choose(mosaic.MosaicDecodeConfig.default(128), 1, 3) is None
     assert "stablehlo.sort" not in lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     # 64 slots x 8 KV heads = 512 items over at most 132 programs: ordered in the kernel.
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16, seqs=64)
-    assert slot_order.choose(mosaic.default_config(128), 4, 64) == "kernel"
+    assert slot_order.choose(mosaic.MosaicDecodeConfig.default(128), 4, 64) == "kernel"
     text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     ops = {line.split("=", 1)[-1].split()[0] for line in text.splitlines() if "stablehlo." in line}
     assert ops == {"stablehlo.custom_call"}, ops

@@ -128,7 +128,7 @@ def test_config_is_validated(options):
 
 @pytest.mark.parametrize("head_dim,block_kv", [(64, 128), (128, 128), (256, 64)])
 def test_default_config(head_dim, block_kv):
-    assert mosaic.default_config(head_dim) == mosaic.MosaicPrefillConfig(block_kv, 2)
+    assert mosaic.MosaicPrefillConfig.default(head_dim) == mosaic.MosaicPrefillConfig(block_kv, 2)
 
 
 @pytest.mark.parametrize(

@@ -84,27 +84,27 @@ class MosaicDecodeConfig:
     def __post_init__(self):
         check_pipeline(self.block_kv, self.num_stages)
 
-
-def default_config(head_dim: int) -> MosaicDecodeConfig:
-    """The config used when `config=None`: steps of 128 tokens (64 at D=256) and as many
-    stages as 128 KiB of K/V hold (4 at D=64, 2 at D=128 and 256): the best of the H200 run
-    of 2026-11-29 at D=128. Persistent programs with the longest sequences first, except at
-    D=256, where the 64 KiB of float32 output staging leave a persistent program too little
-    room beside two stages."""
-    block_kv = default_block_kv(head_dim)
-    stage_bytes = 2 * block_kv * head_dim * 2
-    return MosaicDecodeConfig(
-        block_kv=block_kv,
-        num_stages=_DEFAULT_STAGE_BYTES // stage_bytes,
-        persistent=head_dim <= 128,
-    )
+    @classmethod
+    def default(cls, head_dim: int) -> MosaicDecodeConfig:
+        """The config used when `config=None`: steps of 128 tokens (64 at D=256) and as many
+        stages as 128 KiB of K/V hold (4 at D=64, 2 at D=128 and 256): the best of the H200 run
+        of 2026-11-29 at D=128. Persistent programs with the longest sequences first, except at
+        D=256, where the 64 KiB of float32 output staging leave a persistent program too little
+        room beside two stages."""
+        block_kv = default_block_kv(head_dim)
+        stage_bytes = 2 * block_kv * head_dim * 2
+        return cls(
+            block_kv=block_kv,
+            num_stages=_DEFAULT_STAGE_BYTES // stage_bytes,
+            persistent=head_dim <= 128,
+        )
 
 
 def supports(head_dim: int, page_size: int, group: int) -> bool:
-    """Whether the kernel with `default_config(head_dim)` takes bf16/f16 inputs of head dim
+    """Whether the kernel with its default config takes bf16/f16 inputs of head dim
     `head_dim`, pages of `page_size` and `group` query heads per KV head (the checks of
     `paged_decode_attention`, without raising)."""
-    block_kv = default_config(head_dim).block_kv
+    block_kv = MosaicDecodeConfig.default(head_dim).block_kv
     return (
         takes(head_dim, page_size, block_kv)
         and decode_body.q_copy_rows(group) <= decode_body.TILE_M
@@ -159,7 +159,7 @@ def paged_decode_attention(
       page_indices: i32[S, pages_per_seq].
       num_splits: KV splits per sequence; None: `choose_num_splits`.
       sm_scale, sliding_window, logits_soft_cap: as `jaxpaged.paged_decode_attention`.
-      config: `MosaicDecodeConfig`; None: `default_config(D)`.
+      config: `MosaicDecodeConfig`; None: `MosaicDecodeConfig.default(D)`.
       interpret: must be False: Mosaic GPU's interpreter cannot run `wgmma` (jax 0.11.2).
       profile_dir: diagnostics only: every call writes a trace of each program's named
         regions (Mosaic GPU's in-kernel profiler) as JSON into this directory.
@@ -173,7 +173,7 @@ def paged_decode_attention(
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
     group = num_q_heads // num_kv_heads
-    config = default_config(head_dim) if config is None else config
+    config = MosaicDecodeConfig.default(head_dim) if config is None else config
     _check(q, page_size, head_dim, group, config, interpret)
     max_steps = _max_steps(pages_per_seq * page_size, sliding_window, config.block_kv)
     if num_splits is None:

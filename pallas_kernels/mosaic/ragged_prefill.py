@@ -83,10 +83,11 @@ class MosaicPrefillConfig:
     def __post_init__(self):
         check_pipeline(self.block_kv, self.num_stages)
 
-
-def default_config(head_dim: int) -> MosaicPrefillConfig:
-    """128-key steps (64 at D=256, where two 128-key stages would not fit), two stages."""
-    return MosaicPrefillConfig(block_kv=default_block_kv(head_dim))
+    @classmethod
+    def default(cls, head_dim: int) -> MosaicPrefillConfig:
+        """The config of `config=None`: 128-key steps (64 at D=256, where two 128-key stages
+        would not fit), two stages."""
+        return cls(block_kv=default_block_kv(head_dim))
 
 
 def ragged_paged_attention(
@@ -117,7 +118,7 @@ def ragged_paged_attention(
       key and padding tokens give 0 and -inf.
     """
     head_dim = q.shape[-1]
-    config = default_config(head_dim) if config is None else config
+    config = MosaicPrefillConfig.default(head_dim) if config is None else config
     _check(q, k_pages.shape[1], config, interpret)
     return _ragged_paged_attention(
         q,

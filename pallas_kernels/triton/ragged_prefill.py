@@ -104,7 +104,7 @@ class PrefillConfig:
         # keep enough loads in flight for work that is bound by memory.
         return cls(block_q, block_kv, short_block_kv=8192 // head_dim)
 
-    def validate(self) -> None:
+    def __post_init__(self):
         sizes = ["block_q", "block_kv", "short_block_kv"]
         if self.short_block_q:
             sizes.append("short_block_q")
@@ -296,7 +296,6 @@ def ragged_paged_attention(
         )
     if config is None:
         config = PrefillConfig.default(head_dim, q.dtype)
-    config.validate()
     return _ragged_paged_attention(
         q,
         k_pages,
