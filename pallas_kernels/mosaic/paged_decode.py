@@ -44,7 +44,7 @@ from pallas_kernels.mosaic.common import (
 _DEFAULT_STAGE_BYTES = 128 * 1024
 # A split does at least this many pipeline steps (when the sequence has them). One: with SMs
 # left idle, a short sequence split to one step per program finishes sooner than with fewer,
-# longer splits, though each pays the pipeline fill (benchmarks/NOTES.md, session 8).
+# longer splits, though each pays the pipeline fill (benchmarks/NOTES.md).
 _MIN_STEPS_PER_SPLIT = 1
 
 
@@ -58,9 +58,8 @@ class MosaicDecodeConfig:
         of V, one TMA copy per page.
       num_stages: pipeline steps of K and V buffered in shared memory, i.e. how far the copy
         warpgroup runs ahead of compute. Shared memory per stage is `2 * block_kv * D * 2`
-        bytes. One program runs per SM whatever its shared memory: the kernel needs 175
-        (block_kv 64) to 245 (block_kv 128) registers per thread (ptxas, run 17), more than
-        two programs of 256 threads can have.
+        bytes. One program runs per SM whatever its shared memory: the kernel needs more
+        registers per thread (ptxas) than two programs of 256 threads can have.
       longest_first: take the sequences in order of decreasing kv_len (splits of a
         sequence in order, all first splits before any second one), so that in a ragged
         batch no SM is left with a long item at the end. Up to `slot_order.MAX_SLOTS_RANKED`
@@ -71,9 +70,8 @@ class MosaicDecodeConfig:
         (KV head, split, slot) of a snake order (`decode_body.snake_item`) with one K/V
         pipeline: the next item's pages stream in while the last one finishes, so an SM pays
         the pipeline fill once, not once per item. With `longest_first` the snake deals long
-        and short items alike to every SM. The default (with `longest_first`): on the H200
-        (run 18) a ragged batch went from 3.49 to 3.90 TB/s of KV, uniform ones stayed within
-        2%.
+        and short items alike to every SM. The default (with `longest_first`): faster on
+        ragged batches, as fast on uniform ones (benchmarks/NOTES.md).
     """
 
     block_kv: int = 128
@@ -87,10 +85,10 @@ class MosaicDecodeConfig:
     @classmethod
     def default(cls, head_dim: int) -> MosaicDecodeConfig:
         """The config used when `config=None`: steps of 128 tokens (64 at D=256) and as many
-        stages as 128 KiB of K/V hold (4 at D=64, 2 at D=128 and 256): the best of the H200 run
-        of 2026-11-29 at D=128. Persistent programs with the longest sequences first, except at
-        D=256, where the 64 KiB of float32 output staging leave a persistent program too little
-        room beside two stages."""
+        stages as 128 KiB of K/V hold (4 at D=64, 2 at D=128 and 256), the best measured at
+        D=128. Persistent programs with the longest sequences first, except at D=256, where
+        the 64 KiB of float32 output staging leave a persistent program too little room
+        beside two stages."""
         block_kv = default_block_kv(head_dim)
         stage_bytes = 2 * block_kv * head_dim * 2
         return cls(

@@ -38,8 +38,8 @@ from pallas_kernels.triton.merge import merge_partials
 _MIN_DOT_ROWS = 16
 # `choose_num_splits`: programs wanted per SM, and the least work per split in tiles.
 _PROGRAMS_PER_SM = 8
-# 8, not 4: on the H200, B=1 ctx 32768 ran at 2.87 TB/s with 128 splits of 4 tiles and at
-# 3.27 TB/s with 64 splits of 8 (benchmarks/results/decode_h200_run3.json).
+# 8, not 4: at B=1 and long contexts, splits of 4 tiles ran slower than fewer splits of 8
+# (benchmarks/NOTES.md).
 _MIN_TILES_PER_SPLIT = 8
 # Tokens per KV tile for 2-byte inputs, per head dim: 16 KiB per K (and per V) tile.
 _DEFAULT_BLOCK_KV = {64: 128, 128: 64, 256: 32}

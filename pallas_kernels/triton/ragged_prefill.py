@@ -243,9 +243,9 @@ def _prefill_kernel(
     out, lse = finalize(acc, m, l)
     # The store's rows must not be the very index arrays of the Q load: Triton would then
     # compute the [rows, D] pointer tensor once and keep it in registers across the K/V loops
-    # (255 registers per thread and spills; 313 TFLOP/s on the H200 against 418 without it,
-    # benchmarks/NOTES.md). `l` is a sum of exponentials, never negative, so `never` is all
-    # false; the compiler cannot know that, and computes the store's pointers after the loops.
+    # (255 registers per thread and spills, a much slower kernel: benchmarks/NOTES.md). `l` is
+    # a sum of exponentials, never negative, so `never` is all false; the compiler cannot know
+    # that, and computes the store's pointers after the loops.
     never = l < 0.0
     token_out = token + never.astype(jnp.int32)
     ok_out = row_ok & ~never
