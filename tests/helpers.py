@@ -31,9 +31,13 @@ DTYPE_LIMITS = {"mosaic": (jnp.bfloat16, jnp.float16)}
 
 
 def backend_params(cpu=("xla", "triton"), gpu=GPU_BACKENDS) -> list:
-    """pytest params of a `backend` argument: `cpu` ones run here (the kernels in Pallas
-    interpret mode), `gpu` (backend, id) pairs under the `gpu` marker."""
-    return [pytest.param(b, id=b) for b in cpu] + [
+    """pytest params of a `backend` argument: `cpu` ones run without a GPU (the kernels in
+    Pallas interpret mode), `gpu` (backend, id) pairs under the `gpu` marker. On a GPU a `cpu`
+    backend that is also a `gpu` one is skipped: it would run the same compiled kernel."""
+    on_gpu = jax.default_backend() == "gpu"
+    twice = pytest.mark.skipif(on_gpu, reason="compiled here: runs as its `gpu` param")
+    in_gpu = {b for b, _ in gpu}
+    return [pytest.param(b, id=b, marks=[twice] if b in in_gpu else []) for b in cpu] + [
         pytest.param(b, id=name, marks=pytest.mark.gpu) for b, name in gpu
     ]
 
