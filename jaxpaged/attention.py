@@ -1,104 +1,29 @@
-"""Public attention ops, their static checks and the dispatch to a backend.
+"""Public attention ops, their static checks and the jitted call into a backend.
 
-Backends (`implementation=`):
-  "xla"     the plain-`jnp` reference (`jaxpaged.reference`): the spec and the test oracle.
-  "triton"  Pallas kernels lowered through Triton (`pallas_kernels/triton/`); on a machine with
-            no GPU they run in Pallas interpret mode.
-  "mosaic"  Pallas kernels lowered through Mosaic GPU (`pallas_kernels/mosaic/`), Hopper only.
-`implementation=None` takes the first available backend of the op's preference list for the
-default device: a kernel on CUDA GPUs, the reference elsewhere (interpret mode is an emulator
-for tests, far slower than XLA on a CPU).
+`implementation=` picks a backend ("xla", "triton", "mosaic"); which ones exist, where they
+run and which one `implementation=None` takes is `jaxpaged.dispatch`'s table.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import importlib.util
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.reference import ragged_paged_attention_reference
+from jaxpaged import dispatch
 from pallas_kernels.common import merge_partial_states, poison_enabled
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-# op -> backend -> (module, function); modules are imported on first use so that a broken or
-# missing lowering never stops `import jaxpaged`.
-_BACKENDS: dict[str, dict[str, tuple[str, str] | None]] = {
-    "ragged": {
-        "mosaic": ("pallas_kernels.mosaic.ragged_prefill", "ragged_paged_attention"),
-        "triton": ("pallas_kernels.triton.ragged_prefill", "ragged_paged_attention"),
-        "xla": None,
-    },
-    "decode": {
-        "mosaic": ("pallas_kernels.mosaic.paged_decode", "paged_decode_attention"),
-        "triton": ("pallas_kernels.triton.paged_decode", "paged_decode_attention"),
-        "xla": None,
-    },
-}
-# Backends that `implementation=None` may pick, per op and platform, best first.
-_PREFERENCE: dict[str, dict[str, tuple[str, ...]]] = {
-    "ragged": {"gpu": ("mosaic", "triton", "xla"), "cpu": ("xla",)},
-    "decode": {"gpu": ("mosaic", "triton", "xla"), "cpu": ("xla",)},
-}
-_GPU_ONLY = {"mosaic"}
-
-
-def _platform() -> str:
-    return "gpu" if jax.default_backend() in ("gpu", "cuda") else jax.default_backend()
-
-
-@functools.cache
-def _load(op: str, name: str) -> Callable[..., Any] | None:
-    target = _BACKENDS[op][name]
-    if target is None:
-        return None
-    module, fn = target
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name != module:
-            raise
-        return None
-    return getattr(mod, fn)
-
-
-def _preferred(op: str, name: str, dtype, shape: dict) -> bool:
-    """Whether `implementation=None` may pick backend `name` for inputs of `dtype` and `shape`
-    (`head_dim`, `page_size`, where known): it loads, and its module's optional
-    `is_preferred(dtype, **shape)` (e.g. "an sm90 GPU, bf16/f16 and a page size it takes")
-    agrees."""
-    if _BACKENDS[op][name] is None:
-        return True
-    if _load(op, name) is None:
-        return False
-    preferred = getattr(importlib.import_module(_BACKENDS[op][name][0]), "is_preferred", None)
-    return preferred is None or bool(preferred(jnp.dtype(dtype), **shape))
-
 
 def available_implementations(op: str = "ragged") -> tuple[str, ...]:
-    """Backends usable for `op` ("ragged" or "decode") on the default device."""
-    names = []
-    for name, target in _BACKENDS[op].items():
-        if name in _GPU_ONLY and _platform() != "gpu":
-            continue
-        if target is None or _module_exists(target[0]):
-            names.append(name)
-    return tuple(names)
-
-
-def _module_exists(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a parent package is missing
-        return False
+    """Backends usable for `op` ("ragged" or "decode") on the default device, best first."""
+    return dispatch.available(op, dispatch.default_device())
 
 
 def resolve_implementation(
@@ -108,27 +33,28 @@ def resolve_implementation(
     *,
     head_dim: int | None = None,
     page_size: int | None = None,
-    **decode_shape: int,
+    num_seqs: int | None = None,
+    num_kv_heads: int | None = None,
+    max_kv_len: int | None = None,
 ) -> str:
     """The backend that `implementation` means for `op` ("ragged" or "decode") and inputs of
-    `dtype` (and `head_dim`, `page_size` when given; for decode also `num_seqs`,
-    `num_kv_heads` and `max_kv_len`, the tokens a page table row holds) on the default device:
-    `None` resolves to the best available one that takes such inputs; an explicit name is
-    returned as is, or raises `ValueError` listing what is available."""
-    unknown = set(decode_shape) - {"num_seqs", "num_kv_heads", "max_kv_len"}
-    if unknown or (decode_shape and op != "decode"):
-        bad = sorted(unknown or decode_shape)
-        raise TypeError(f"resolve_implementation({op!r}) got unexpected keywords {bad}")
-    available = available_implementations(op)
+    `dtype` on the default device.
+
+    `None` resolves by `jaxpaged.dispatch.TABLE` to the best available backend that takes
+    such inputs: `head_dim`, `page_size` and, for decode only, `num_seqs`, `num_kv_heads` and
+    `max_kv_len` (the tokens a page-table row holds) are what the rules look at, where given.
+    An explicit name is returned as is, or raises `ValueError` listing what is available.
+    """
+    decode_shape = dict(num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_kv_len=max_kv_len)
+    if op != "decode" and (given := sorted(k for k, v in decode_shape.items() if v is not None)):
+        raise TypeError(f"resolve_implementation({op!r}) got unexpected keywords {given}")
+    device = dispatch.default_device()
     if implementation is None:
-        shape = dict(head_dim=head_dim, page_size=page_size, **decode_shape)
-        shape = {k: v for k, v in shape.items() if v}
-        for name in _PREFERENCE[op].get(_platform(), ("xla",)):
-            if name in available and _preferred(op, name, dtype, shape):
-                return name
-        return "xla"
+        call = dispatch.Call(jnp.dtype(dtype), head_dim, page_size, **decode_shape)
+        return dispatch.choose(op, call, device)
+    available = dispatch.available(op, device)
     if implementation not in available:
-        known = tuple(_BACKENDS[op])
+        known = [row.name for row in dispatch.backends(op)]
         why = "unknown" if implementation not in known else "not available on this machine"
         raise ValueError(f"implementation={implementation!r} is {why}; available: {available}")
     return implementation
@@ -285,22 +211,17 @@ def ragged_paged_attention(
     name = resolve_implementation(
         "ragged", implementation, q.dtype, head_dim=q.shape[-1], page_size=k_pages.shape[1]
     )
-    out, lse = _ragged_jit(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        page_indices,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=_scale(sm_scale, q),
-        causal=bool(causal),
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
+    out, lse = _attend(
+        (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs),
+        op="ragged",
         implementation=name,
-        interpret=bool(interpret) or _platform() != "gpu",
-        config=config,
-        poison=poison_enabled(),
+        options=dict(
+            sm_scale=_scale(sm_scale, q),
+            causal=bool(causal),
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        ),
+        tuning=dict(config=config, interpret=_interpret(interpret)),
     )
     return (out, lse) if return_lse else out
 
@@ -353,20 +274,16 @@ def paged_decode_attention(
         num_kv_heads=k_pages.shape[2],
         max_kv_len=page_indices.shape[1] * k_pages.shape[1],
     )
-    out, lse = _decode_jit(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        page_indices,
-        num_splits=num_splits,
-        sm_scale=_scale(sm_scale, q),
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
+    out, lse = _attend(
+        (q, k_pages, v_pages, kv_lens, page_indices),
+        op="decode",
         implementation=name,
-        interpret=bool(interpret) or _platform() != "gpu",
-        config=config,
-        poison=poison_enabled(),
+        options=dict(
+            sm_scale=_scale(sm_scale, q),
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        ),
+        tuning=dict(num_splits=num_splits, config=config, interpret=_interpret(interpret)),
     )
     return (out, lse) if return_lse else out
 
@@ -375,124 +292,30 @@ def _scale(sm_scale: float | None, q: jax.Array) -> float:
     return float(q.shape[-1] ** -0.5 if sm_scale is None else sm_scale)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale",
-        "causal",
-        "sliding_window",
-        "logits_soft_cap",
-        "implementation",
-        "interpret",
-        "config",
-        "poison",
-    ),
-)
-def _ragged_jit(
-    q,
-    k_pages,
-    v_pages,
-    kv_lens,
-    page_indices,
-    cu_q_lens,
-    num_seqs,
-    *,
-    sm_scale,
-    causal,
-    sliding_window,
-    logits_soft_cap,
-    implementation,
-    interpret,
-    config,
-    poison,
-):
-    del poison  # a static key only: kernels read it while tracing (see common.poison_outputs)
-    options = dict(
-        sm_scale=sm_scale,
-        causal=causal,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap,
-    )
-    if implementation == "xla":
-        return ragged_paged_attention_reference(
-            q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options
-        )
-    kernel = _load("ragged", implementation)
-    with quiet_triton_deprecation():
-        return kernel(
-            q,
-            k_pages,
-            v_pages,
-            kv_lens,
-            page_indices,
-            cu_q_lens,
-            num_seqs,
-            **options,
-            config=config,
-            interpret=interpret,
-        )
+def _interpret(interpret: bool) -> bool:
+    """Pallas kernels run in interpret mode where there is no GPU."""
+    return bool(interpret) or dispatch.default_device().platform != "gpu"
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "num_splits",
-        "sm_scale",
-        "sliding_window",
-        "logits_soft_cap",
-        "implementation",
-        "interpret",
-        "config",
-        "poison",
-    ),
-)
-def _decode_jit(
-    q,
-    k_pages,
-    v_pages,
-    kv_lens,
-    page_indices,
-    *,
-    num_splits,
-    sm_scale,
-    sliding_window,
-    logits_soft_cap,
-    implementation,
-    interpret,
-    config,
-    poison,
-):
-    del poison  # a static key only: kernels read it while tracing (see common.poison_outputs)
-    options = dict(
-        sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+def _attend(arrays, *, op: str, implementation: str, options: dict, tuning: dict):
+    """Runs backend `implementation` of `op` on `arrays` under `jit`, with `options` (and
+    `tuning`, which only the kernels take) as static arguments."""
+    if dispatch.tuned(op, implementation):
+        options = {**options, **tuning}
+    return _attend_jit(
+        arrays,
+        op=op,
+        implementation=implementation,
+        options=tuple(sorted(options.items())),
+        poison=poison_enabled(),
     )
-    if implementation == "xla":
-        num_seq_slots = q.shape[0]
-        cu_q_lens = jnp.arange(num_seq_slots + 1, dtype=jnp.int32)
-        return ragged_paged_attention_reference(
-            q,
-            k_pages,
-            v_pages,
-            kv_lens,
-            page_indices,
-            cu_q_lens,
-            jnp.asarray(num_seq_slots, jnp.int32),
-            causal=True,
-            **options,
-        )
-    kernel = _load("decode", implementation)
+
+
+@functools.partial(jax.jit, static_argnames=("op", "implementation", "options", "poison"))
+def _attend_jit(arrays, *, op, implementation, options, poison):
+    del poison  # a static key only: kernels read it while tracing (see common.poison_outputs)
     with quiet_triton_deprecation():
-        return kernel(
-            q,
-            k_pages,
-            v_pages,
-            kv_lens,
-            page_indices,
-            num_splits=num_splits,
-            **options,
-            config=config,
-            interpret=interpret,
-        )
+        return dispatch.load(op, implementation)(*arrays, **dict(options))
 
 
 def merge_attention_states(

@@ -276,8 +276,8 @@ def _slot_or_oob(pool: PagePool, seq_ids: jax.Array) -> jax.Array:
 def _free_ids(pool: PagePool) -> tuple[jax.Array, jax.Array]:
     """The free page ids ascending (i32[P]; entries past the free count are 0 and never taken)
     and the free count (i32[])."""
-    # A prefix sum and a scatter, not a sort: the engine reserves every decode step, and sorting
-    # the pool's flags cost 28 us a step at 4.7k pages (H200).
+    # A prefix sum and a scatter, not a sort: the engine reserves every decode step, and a sort
+    # of the pool's flags is a visible part of a step.
     free = pool.free
     rank = jnp.cumsum(free, dtype=jnp.int32) - 1
     free_ids = (

@@ -101,3 +101,35 @@ def ragged_paged_attention_reference(
 
     out, lse = lax.map(attend, (q, seq, pos, live), batch_size=_TOKEN_BLOCK)
     return out.astype(q.dtype), lse
+
+
+def paged_decode_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`ragged_paged_attention_reference` with one token per sequence slot.
+
+    Args: as `jaxpaged.paged_decode_attention` (shapes are checked there).
+    Returns: `out` [S, Hq, D] in `q.dtype` and `lse` f32[S, Hq].
+    """
+    num_seq_slots = q.shape[0]
+    return ragged_paged_attention_reference(
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_indices,
+        jnp.arange(num_seq_slots + 1, dtype=jnp.int32),
+        jnp.asarray(num_seq_slots, jnp.int32),
+        sm_scale=sm_scale,
+        causal=True,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )

@@ -35,7 +35,7 @@ from models.scheduler import SamplingParams, Sequence
 def resolved_implementations(implementation: str | None, dtype) -> dict[str, str]:
     """The backend each attention op runs with `implementation` on this device (for decode,
     the pick for a few sequences: on Hopper a batch of many short ones runs the Triton
-    kernel, `pallas_kernels.mosaic.paged_decode.is_preferred`)."""
+    kernel, `jaxpaged.dispatch.TABLE`)."""
     return {
         op: jaxpaged.resolve_implementation(op, implementation, dtype)
         for op in ("ragged", "decode")

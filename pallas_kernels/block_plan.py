@@ -13,13 +13,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-# Rows of the plan (`plan_blocks`); its columns are the grid's q blocks.
-SEQ, FIRST_TOKEN, NUM_TOKENS, FIRST_POS, KV_LEN = range(5)
-TILE_LO, FULL_LO, FULL_HI, TILE_HI = range(5, 9)
-
 
 class Block(NamedTuple):
-    """One column of the plan, as a kernel reads it (`read_block`); fields in row order."""
+    """One column of the plan (`plan_blocks`, whose columns are the grid's q blocks), as a
+    kernel reads it (`read_block`); its fields are the plan's rows, in order."""
 
     seq: jax.Array
     first_token: jax.Array

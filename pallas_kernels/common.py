@@ -159,6 +159,23 @@ def merge_partial_states(
     return out, lse
 
 
+def merge_splits(outs: jax.Array, lses: jax.Array, *, out_dtype) -> tuple[jax.Array, jax.Array]:
+    """The split-KV merge of a decode kernel in XLA: `merge_partial_states` along the splits.
+
+    Args:
+      outs: f32[X, splits, Y, D] normalized partial outputs.
+      lses: f32[X, splits, Y] their natural-log LSEs; -inf marks an empty partial (its output
+        row is ignored, even if NaN).
+      out_dtype: dtype of the merged output.
+
+    Returns:
+      `out` [X, Y, D] in `out_dtype` and `lse` f32[X, Y]; rows whose partials are all empty
+      give 0 and -inf.
+    """
+    out, lse = merge_partial_states(outs, lses, axis=1)
+    return out.astype(out_dtype), lse
+
+
 _POISON = [False]
 
 
@@ -166,8 +183,10 @@ _POISON = [False]
 def poison_outputs():
     """Inside this context, kernels traced from now on start from NaN-filled (or int-min)
     output buffers instead of uninitialized ones, so that tests see every element a kernel
-    failed to write. Kernels do this by passing `poisoned(shape)` buffers as extra inputs
-    aliased to their outputs (`input_output_aliases`)."""
+    failed to write. A kernel launch asks `poisoned_outputs` for such buffers and writes into
+    them in place: a `pallas_call` through `alias_outputs`, a Mosaic GPU kernel through
+    `pallas_kernels.mosaic.common.launch`. Jitted functions that trace kernels take
+    `poison_enabled()` as a static argument, so that the context retraces them."""
     _POISON[0], before = True, _POISON[0]
     try:
         yield
@@ -179,8 +198,23 @@ def poison_enabled() -> bool:
     return _POISON[0]
 
 
-def poisoned(shape: jax.ShapeDtypeStruct) -> jax.Array:
-    """A buffer of `shape` filled with NaN (floats) or the minimum integer."""
-    dtype = jnp.dtype(shape.dtype)
-    fill = jnp.nan if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
-    return jnp.full(shape.shape, fill, dtype)
+def poisoned_outputs(shapes) -> list[jax.Array] | None:
+    """Inside `poison_outputs()`, buffers of `shapes` (`jax.ShapeDtypeStruct`s) filled with
+    NaN (floats) or the minimum integer; else None (the kernel allocates its outputs)."""
+    if not poison_enabled():
+        return None
+    fills = []
+    for shape in shapes:
+        dtype = jnp.dtype(shape.dtype)
+        fill = jnp.nan if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+        fills.append(jnp.full(shape.shape, fill, dtype))
+    return fills
+
+
+def alias_outputs(inputs: list, outputs) -> tuple[list, dict[int, int]]:
+    """`pallas_call` inputs with `outputs` appended (buffers the kernel updates in place, e.g.
+    `poisoned_outputs(...)`), and the `input_output_aliases` that say so. The kernel body
+    finds its outputs at `refs[-len(outputs):]` either way. `outputs=None`: no change."""
+    if outputs is None:
+        return inputs, {}
+    return [*inputs, *outputs], {len(inputs) + i: i for i in range(len(outputs))}

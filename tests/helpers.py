@@ -31,9 +31,13 @@ DTYPE_LIMITS = {"mosaic": (jnp.bfloat16, jnp.float16)}
 
 
 def backend_params(cpu=("xla", "triton"), gpu=GPU_BACKENDS) -> list:
-    """pytest params of a `backend` argument: `cpu` ones run here (the kernels in Pallas
-    interpret mode), `gpu` (backend, id) pairs under the `gpu` marker."""
-    return [pytest.param(b, id=b) for b in cpu] + [
+    """pytest params of a `backend` argument: `cpu` ones run without a GPU (the kernels in
+    Pallas interpret mode), `gpu` (backend, id) pairs under the `gpu` marker. On a GPU a `cpu`
+    backend that is also a `gpu` one is skipped: it would run the same compiled kernel."""
+    on_gpu = jax.default_backend() == "gpu"
+    twice = pytest.mark.skipif(on_gpu, reason="compiled here: runs as its `gpu` param")
+    in_gpu = {b for b, _ in gpu}
+    return [pytest.param(b, id=b, marks=[twice] if b in in_gpu else []) for b in cpu] + [
         pytest.param(b, id=name, marks=pytest.mark.gpu) for b, name in gpu
     ]
 
@@ -229,3 +233,11 @@ def lower_for_cuda(fn, *args, compute_capability: int = 90) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         pallas_call_registration.gpu_info_lib = saved
+
+
+def lower_for_hopper(fn, *args) -> str:
+    """Lower `fn(*args)` for CUDA on this (GPU-less) machine and return the StableHLO text, as
+    the Mosaic GPU kernels need it: Mosaic GPU assumes sm_90 when the default device is not a
+    GPU. Unlike `lower_for_cuda` this shows Triton no device, so a Triton kernel inside `fn`
+    fails to lower: the Mosaic GPU backend must run none."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,17 +1,20 @@
-"""The split-KV merge kernel (pallas_kernels/triton/merge.py), in interpret mode on CPU and
-compiled on a GPU (`-m gpu`), against a float64 merge in numpy."""
+"""The split-KV merges of the decode kernels against a float64 merge in numpy: the Triton kernel
+(pallas_kernels/triton/merge.py, the Triton decode kernel's) in interpret mode on CPU and
+compiled on a GPU (`-m gpu`), and the XLA one (`pallas_kernels.common.merge_splits`, the Mosaic
+GPU decode kernel's) on any device."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import poison_outputs
+from pallas_kernels.common import merge_splits, poison_outputs
 from pallas_kernels.triton.merge import merge_partials
 
 # Output tolerance per dtype: the merge itself is float32 (relative error ~1e-6); the output's
 # rounding to bfloat16 / float16 is half an ulp (2^-9 / 2^-12 relative) of values up to ~3.
 ATOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
+ON_GPU = jax.default_backend() == "gpu"
 
 
 def _oracle(outs, lses):
@@ -38,9 +41,19 @@ def _partials(num_x, num_splits, num_y, head_dim, seed):
     return outs, lses
 
 
-def _check(outs, lses, dtype, interpret):
+MERGES = {
+    "triton": lambda outs, lses, dtype: merge_partials(
+        outs, lses, out_dtype=dtype, interpret=not ON_GPU
+    ),
+    "xla": lambda outs, lses, dtype: jax.jit(merge_splits, static_argnames="out_dtype")(
+        outs, lses, out_dtype=dtype
+    ),
+}
+
+
+def _check(merge, outs, lses, dtype):
     with poison_outputs():
-        out, lse = merge_partials(outs, lses, out_dtype=dtype, interpret=interpret)
+        out, lse = MERGES[merge](outs, lses, dtype)
     want_out, want_lse = _oracle(outs, lses)
     assert out.dtype == dtype and lse.dtype == jnp.float32
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
@@ -52,21 +65,33 @@ def _check(outs, lses, dtype, interpret):
     assert (out[np.isneginf(want_lse)] == 0).all()
 
 
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=str)
 @pytest.mark.parametrize("num_splits", [2, 3, 5])
-def test_merge_interpret(num_splits, dtype):
+def test_merge(merge, num_splits, dtype):
     outs, lses = _partials(2, num_splits, 6, 64, seed=num_splits)
-    _check(outs, lses, dtype, interpret=True)
+    _check(merge, outs, lses, dtype)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
 @pytest.mark.parametrize(
     "shape", [(1, 16, 32, 128), (64, 2, 32, 128), (3, 33, 8, 256), (1, 7, 5, 64)]
 )
-def test_merge_gpu(shape, dtype):
+def test_merge_gpu(merge, shape, dtype):
     outs, lses = _partials(*shape, seed=sum(shape))
-    _check(outs, lses, dtype, interpret=False)
+    _check(merge, outs, lses, dtype)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 6, 64), (1, 33, 8, 128)])
+def test_merges_agree(shape):
+    """The two merges give the same float32 numbers up to rounding (the same arithmetic in
+    another order)."""
+    outs, lses = _partials(*shape, seed=1)
+    (a_out, a_lse), (b_out, b_lse) = (m(outs, lses, jnp.float32) for m in MERGES.values())
+    np.testing.assert_allclose(np.asarray(a_out), np.asarray(b_out), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a_lse), np.asarray(b_lse), rtol=1e-6, atol=1e-6)
 
 
 def test_lses_shape_is_checked():

@@ -2,9 +2,10 @@
 
 Without a GPU: the Pallas -> Mosaic GPU lowering runs here for every supported shape (cross-
 lowering for CUDA, which includes Mosaic GPU's layout inference and dialect lowering, but not
-ptxas or a launch), plus the checks that run before tracing. With a GPU (`-m gpu`): results
-against the float64 loop of tests/helpers over the decode feature matrix. The shared decode body
-in tests/test_attention.py runs this kernel too (backend "mosaic-gpu").
+ptxas or a launch; no Triton kernel could lower here), plus the checks that run before
+tracing. With a GPU (`-m gpu`): results against the float64 loop of tests/helpers over the
+decode feature matrix. The shared decode body in tests/test_attention.py runs this kernel too
+(backend "mosaic-gpu").
 """
 
 import itertools
@@ -19,8 +20,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jaxpaged
 from pallas_kernels.common import poison_outputs
 from pallas_kernels.mosaic import paged_decode as mosaic
-from pallas_kernels.mosaic.common import on_sm90
-from tests.helpers import assert_close, lower_for_cuda, make_batch, oracle
+from pallas_kernels.mosaic import slot_order
+from tests.helpers import assert_close, lower_for_hopper, make_batch, oracle
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEADS = [(4, 4), (16, 4), (16, 2)]  # (Hq, Hkv): GQA groups 1, 4, 8
@@ -30,16 +31,6 @@ SHAPES = list(itertools.product([64, 128, 256], HEADS, [16, 64]))
 def _shape_id(shape):
     head_dim, (num_q_heads, num_kv_heads), page_size = shape
     return f"d{head_dim}-hq{num_q_heads}-hkv{num_kv_heads}-ps{page_size}"
-
-
-def _lower_for_hopper(fn, *args) -> str:
-    """Lower `fn(*args)` for CUDA on this machine and return the StableHLO text.
-
-    Mosaic GPU reads the compute capability off the default device and assumes sm_90 when that
-    device is not a GPU; the split merge is a Triton kernel, which `lower_for_cuda` shows an
-    sm_90 device.
-    """
-    return lower_for_cuda(fn, *args)
 
 
 def _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, dtype, *, seqs=3, pages=40):
@@ -64,7 +55,7 @@ def _mosaic_fn(**options):
 def test_cross_lowers(shape, dtype):
     head_dim, (num_q_heads, num_kv_heads), page_size = shape
     args = _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, dtype)
-    text = _lower_for_hopper(_mosaic_fn(), *args)
+    text = lower_for_hopper(_mosaic_fn(), *args)
     assert "mosaic_gpu" in text
 
 
@@ -76,7 +67,6 @@ LOWERING_FEATURES = [
     dict(config=mosaic.MosaicDecodeConfig(block_kv=256, num_stages=1), num_splits=2),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4), num_splits=40),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, longest_first=True)),
-    dict(config=mosaic.MosaicDecodeConfig(merge_kernel=False), num_splits=3),
     dict(config=mosaic.MosaicDecodeConfig(persistent=False), num_splits=3),
     dict(config=mosaic.MosaicDecodeConfig(persistent=False, longest_first=False)),
     dict(config=mosaic.MosaicDecodeConfig(longest_first=False), num_splits=2),
@@ -91,7 +81,7 @@ LOWERING_FEATURES = [
 @pytest.mark.parametrize("options", LOWERING_FEATURES, ids=lambda o: "-".join(o))
 def test_cross_lowers_features(options):
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
-    assert "mosaic_gpu" in _lower_for_hopper(_mosaic_fn(**options), *args)
+    assert "mosaic_gpu" in lower_for_hopper(_mosaic_fn(**options), *args)
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(6, 1), (24, 2), (64, 1), (2, 2)])
@@ -99,7 +89,7 @@ def test_cross_lowers_odd_groups(num_q_heads, num_kv_heads):
     """Groups that are not a divisor or multiple of 8 start mid-tile, and q with fewer heads
     than one Q tile gets padded."""
     args = _abstract_args(64, num_q_heads, num_kv_heads, 16, jnp.float16)
-    assert "mosaic_gpu" in _lower_for_hopper(_mosaic_fn(), *args)
+    assert "mosaic_gpu" in lower_for_hopper(_mosaic_fn(), *args)
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 8), (16, 2), (24, 2)])
@@ -107,26 +97,25 @@ def test_one_split_launches_only_the_kernel(num_q_heads, num_kv_heads):
     """With one split the kernel writes the final `out` and `lse` (its group's rows at their
     heads, metadata clamped inside): no XLA op runs around it."""
     args = _abstract_args(64, num_q_heads, num_kv_heads, 16, jnp.bfloat16)
-    text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     ops = {line.split("=", 1)[-1].split()[0] for line in text.splitlines() if "stablehlo." in line}
     assert ops == {"stablehlo.custom_call"}, ops
 
 
-def test_splits_merge_in_one_kernel():
-    """With several splits, the kernel's partials are merged by one Triton kernel (or in XLA
-    when the config says so)."""
+def test_splits_merge_in_xla():
+    """With several splits, the kernel's partials are merged in XLA: one custom call, the
+    kernel's, and no Triton kernel."""
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
-    text = _lower_for_hopper(_mosaic_fn(num_splits=4), *args)
-    assert "merge_split_kv" in text
-    xla = mosaic.MosaicDecodeConfig(merge_kernel=False)
-    assert "merge_split_kv" not in _lower_for_hopper(_mosaic_fn(num_splits=4, config=xla), *args)
+    text = lower_for_hopper(_mosaic_fn(num_splits=4), *args)
+    assert text.count("stablehlo.custom_call") == 1 and "mosaic_gpu" in text
+    assert "stablehlo.reduce" in text
 
 
 def test_cross_lowers_poisoned():
     """Poisoned outputs are refs aliased to the kernel's outputs."""
     args = _abstract_args(128, 32, 8, 64, jnp.bfloat16)
     with poison_outputs():
-        text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+        text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     assert "mosaic_gpu" in text
 
 
@@ -176,55 +165,6 @@ def test_config_is_validated(options):
 
 
 @pytest.mark.parametrize(
-    "num_seqs,max_kv_len,short_and_many",
-    [
-        (64, 512, True),  # the suite's two cases where the Triton kernel is ahead
-        (34, 512, True),  # 272 items: more than two per SM
-        (33, 512, False),  # 264: two per SM
-        (32, 512, False),
-        (64, 1024, False),  # Mosaic ahead again (runs 37-38)
-        (256, 1024, False),
-        (64, 2048, False),
-        (8, 512, False),
-        (1, 32768, False),
-        (256, 4096, False),
-    ],
-)
-def test_short_and_many(num_seqs, max_kv_len, short_and_many):
-    assert mosaic._short_and_many(num_seqs, 8, max_kv_len) is short_and_many
-
-
-@pytest.mark.parametrize(
-    "num_seqs,max_kv_len,on_hopper_picks",
-    [(1, 32768, "mosaic"), (64, 4096, "mosaic"), (8, 512, "mosaic"), (64, 512, "triton")],
-)
-def test_implementation_none_picks(num_seqs, max_kv_len, on_hopper_picks):
-    """`implementation=None` for decode: this kernel on Hopper for bf16/f16 inputs it takes,
-    except many short sequences (the Triton kernel); here the device decides."""
-    shape = dict(head_dim=128, page_size=16, num_seqs=num_seqs, num_kv_heads=8)
-    picked = jaxpaged.resolve_implementation(
-        "decode", None, jnp.bfloat16, **shape, max_kv_len=max_kv_len
-    )
-    if on_sm90():
-        assert picked == on_hopper_picks
-    else:
-        assert picked in ("triton", "xla")
-    # Inputs it does not take go elsewhere on any device.
-    assert not mosaic.is_preferred(jnp.dtype(jnp.float32), 128, 16)
-    assert not mosaic.is_preferred(jnp.dtype(jnp.bfloat16), 96, 16)
-    assert jaxpaged.resolve_implementation(
-        "decode", None, jnp.float32, **shape, max_kv_len=max_kv_len
-    ) in ("triton", "xla")
-
-
-def test_resolve_implementation_checks_decode_shape():
-    with pytest.raises(TypeError, match="unexpected"):
-        jaxpaged.resolve_implementation("ragged", None, jnp.bfloat16, num_seqs=4)
-    with pytest.raises(TypeError, match="unexpected"):
-        jaxpaged.resolve_implementation("decode", None, jnp.bfloat16, batch=4)
-
-
-@pytest.mark.parametrize(
     "seqs,kv_heads,max_steps,expected",
     [
         (64, 8, 32, 1),  # 512 programs already fill 132 SMs
@@ -245,41 +185,41 @@ def test_choose_num_splits(seqs, kv_heads, max_steps, expected):
 def test_default_config(head_dim, block_kv, num_stages):
     """Persistent and longest first, except at D=256 (the staging buffers do not fit)."""
     want = mosaic.MosaicDecodeConfig(block_kv, num_stages, persistent=head_dim <= 128)
-    assert mosaic.default_config(head_dim) == want
+    assert mosaic.MosaicDecodeConfig.default(head_dim) == want
 
 
 def test_persistent_grid_and_order():
     """A persistent call launches one program per SM at most and orders the slots by length
-    only when a program has more than one item: inside the kernel up to `_MAX_SLOTS_RANKED`
+    only when a program has more than one item: inside the kernel up to `MAX_SLOTS_RANKED`
     slots, by one XLA sort over kv_lens beyond."""
     # 3 slots x 8 KV heads x 1 split = 24 items: 24 programs of one item, no order.
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
-    assert mosaic._ordering(mosaic.default_config(128), 1, 3) is None
-    assert "stablehlo.sort" not in _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    assert slot_order.choose(mosaic.MosaicDecodeConfig.default(128), 1, 3) is None
+    assert "stablehlo.sort" not in lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     # 64 slots x 8 KV heads = 512 items over at most 132 programs: ordered in the kernel.
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16, seqs=64)
-    assert mosaic._ordering(mosaic.default_config(128), 4, 64) == "kernel"
-    text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    assert slot_order.choose(mosaic.MosaicDecodeConfig.default(128), 4, 64) == "kernel"
+    text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     ops = {line.split("=", 1)[-1].split()[0] for line in text.splitlines() if "stablehlo." in line}
     assert ops == {"stablehlo.custom_call"}, ops
     # More slots than the kernel ranks: one XLA sort.
-    slots = mosaic._MAX_SLOTS_RANKED + 1
+    slots = slot_order.MAX_SLOTS_RANKED + 1
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16, seqs=slots)
-    text = _lower_for_hopper(_mosaic_fn(num_splits=1), *args)
+    text = lower_for_hopper(_mosaic_fn(num_splits=1), *args)
     assert text.count("stablehlo.sort") == 1 and "stablehlo.negate" not in text
     plain = mosaic.MosaicDecodeConfig(longest_first=False)
-    assert "stablehlo.sort" not in _lower_for_hopper(_mosaic_fn(num_splits=1, config=plain), *args)
+    assert "stablehlo.sort" not in lower_for_hopper(_mosaic_fn(num_splits=1, config=plain), *args)
 
 
 def _ranked_slots(kv_lens):
-    """`_order_slots` as the decode kernel runs it: the copy warpgroup ranks the slots and
+    """`order_slots` as the decode kernel runs it: the copy warpgroup ranks the slots and
     arrives on a barrier; the compute warpgroup waits on it and copies the order out."""
     num = kv_lens.shape[0]
 
     def body(lens_ref, out_ref, lens_smem, order_smem, ready):
         @pl.when(jax.lax.axis_index("wg") == 1)
         def _rank():
-            mosaic._order_slots(lens_ref, lens_smem, order_smem)
+            slot_order.order_slots(lens_ref, lens_smem, order_smem)
             plgpu.barrier_arrive(ready)
 
         @pl.when(jax.lax.axis_index("wg") == 0)
@@ -304,7 +244,7 @@ def _ranked_slots(kv_lens):
 
 def test_ranking_cross_lowers():
     lens = jax.ShapeDtypeStruct((132,), jnp.int32)
-    assert "mosaic_gpu" in _lower_for_hopper(_ranked_slots, lens)
+    assert "mosaic_gpu" in lower_for_hopper(_ranked_slots, lens)
 
 
 # ---------------------------------------------------------------------------- on the H200
@@ -363,7 +303,6 @@ FEATURES = [
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4), num_splits=40),
     dict(config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, longest_first=True)),
     dict(config=mosaic.MosaicDecodeConfig(longest_first=True), num_splits=3),
-    dict(config=mosaic.MosaicDecodeConfig(merge_kernel=False), num_splits=5),
     dict(config=mosaic.MosaicDecodeConfig(persistent=False), num_splits=3),
     dict(config=mosaic.MosaicDecodeConfig(persistent=False, longest_first=False), num_splits=1),
     dict(config=mosaic.MosaicDecodeConfig(longest_first=False), num_splits=3),
@@ -450,7 +389,7 @@ def test_ranking_is_longest_first(num_slots):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_slots", [100, mosaic._MAX_SLOTS_RANKED + 4])
+@pytest.mark.parametrize("num_slots", [100, slot_order.MAX_SLOTS_RANKED + 4])
 def test_many_slots_ordered(num_slots):
     """Ragged slots with repeated lengths and inactive ones, several items per program:
     ordered inside the kernel (100 slots) or by XLA's sort (more than it ranks)."""

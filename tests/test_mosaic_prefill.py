@@ -1,12 +1,12 @@
 """The Mosaic GPU ragged prefill kernel (pallas_kernels/mosaic/ragged_prefill.py).
 
 Without a GPU: the Pallas -> Mosaic GPU lowering (layout inference and dialect lowering, not
-ptxas or a launch) runs here for the supported shapes and features, with the Triton short-
-sequence launch lowered for a pretend sm_90 part; plus the checks before tracing. With a GPU
-(`-m gpu`): results against the float64 loop of tests/helpers (small batches) or the XLA
-reference (large ones). The shared ragged bodies in tests/test_attention.py run this kernel
-too (backend "mosaic-gpu"). Its block plan is tested with the Triton kernel's
-(`test_plan_covers_every_token_once_and_every_visible_key`, align 8).
+ptxas or a launch; no Triton kernel could lower here) runs here for the supported shapes and
+features, the decode tokens' Mosaic GPU decode kernel included; plus the checks before
+tracing. With a GPU (`-m gpu`): results against the float64 loop of tests/helpers (small
+batches) or the XLA reference (large ones). The shared ragged bodies in
+tests/test_attention.py run this kernel too (backend "mosaic-gpu"). Its block plan is tested
+with the Triton kernel's (`test_plan_covers_every_token_once_and_every_visible_key`, align 8).
 """
 
 import itertools
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 import jaxpaged
-from pallas_kernels.common import poison_outputs
+from jaxpaged.reference import paged_decode_attention_reference
+from pallas_kernels.common import poison_outputs, sanitize_metadata
 from pallas_kernels.mosaic import ragged_prefill as mosaic
-from tests.helpers import assert_close, lower_for_cuda, make_batch, oracle
+from tests.helpers import assert_close, lower_for_hopper, make_batch, oracle
 from tests.test_triton_prefill import _check_against_reference
 
 HEADS = [(4, 4), (16, 4), (16, 2)]  # (Hq, Hkv): GQA groups 1, 4, 8
@@ -76,19 +77,17 @@ LOWERING_CASES = [
 def test_cross_lowers(shape, dtype, options, tokens):
     head_dim, (num_q_heads, num_kv_heads), page_size = shape
     args = _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, dtype, tokens=tokens)
-    text = lower_for_cuda(_mosaic_fn(**options), *args)
-    assert "mosaic_gpu" in text
-    # The short-sequence launch is the Triton kernel's.
-    assert ("ragged_paged_prefill_short" in text) == options.get(
-        "config", mosaic.MosaicPrefillConfig()
-    ).short_sequences
+    text = lower_for_hopper(_mosaic_fn(**options), *args)
+    # The prefill kernel, and the decode kernel for the sequences of one token.
+    short = options.get("config", mosaic.MosaicPrefillConfig()).short_sequences
+    assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 1 + short
 
 
 def test_cross_lowers_poisoned():
     """Poisoned outputs are refs aliased to the kernel's outputs."""
     args = _abstract_args(128, 32, 8, 64, jnp.bfloat16)
     with poison_outputs():
-        text = lower_for_cuda(_mosaic_fn(), *args)
+        text = lower_for_hopper(_mosaic_fn(), *args)
     assert "mosaic_gpu" in text
 
 
@@ -129,7 +128,47 @@ def test_config_is_validated(options):
 
 @pytest.mark.parametrize("head_dim,block_kv", [(64, 128), (128, 128), (256, 64)])
 def test_default_config(head_dim, block_kv):
-    assert mosaic.default_config(head_dim) == mosaic.MosaicPrefillConfig(block_kv, 2)
+    assert mosaic.MosaicPrefillConfig.default(head_dim) == mosaic.MosaicPrefillConfig(block_kv, 2)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(causal=False), dict(sliding_window=5, logits_soft_cap=2.5)],
+    ids=lambda o: "-".join(o) or "plain",
+)
+def test_decode_tokens_go_to_the_decode_kernel(monkeypatch, options):
+    """The rows of one-token sequences come from the decode kernel (here the XLA decode
+    reference stands in for it), causal or not, and no other row is touched."""
+    rng = np.random.default_rng(len(options))
+    seqs = [(1, 37), (5, 21), (1, 1), (0, 9), (1, 100), (3, 17), (1, 16), (0, 0)]
+    batch = make_batch(rng, seqs, num_q_heads=8, num_kv_heads=2)
+    monkeypatch.setattr(
+        mosaic.paged_decode,
+        "paged_decode_attention",
+        lambda *args, num_splits, **kw: paged_decode_attention_reference(*args, **kw),
+    )
+    meta = sanitize_metadata(
+        batch.kv_lens,
+        batch.page_indices,
+        batch.cu_q_lens,
+        batch.num_seqs,
+        num_tokens=batch.q.shape[0],
+        num_pages=batch.k_pages.shape[0],
+        page_size=batch.k_pages.shape[1],
+    )
+    nan = jnp.full(batch.q.shape, jnp.nan), jnp.full(batch.q.shape[:2], jnp.nan)
+    kernel_options = dict(sliding_window=None, logits_soft_cap=None)
+    kernel_options.update((k, v) for k, v in options.items() if k != "causal")
+    out, lse = mosaic._attend_decode_tokens(
+        batch.q, batch.k_pages, batch.v_pages, meta, *nan, sm_scale=0.125, **kernel_options
+    )
+    ref_out, ref_lse = oracle(batch, sm_scale=0.125, **options)
+    cu = np.asarray(batch.cu_q_lens)[: len(seqs) + 1]
+    rows = cu[:-1][np.diff(cu) == 1]
+    assert len(rows) == 4
+    assert_close(out[rows], lse[rows], ref_out[rows], ref_lse[rows], jnp.float32)
+    others = np.setdiff1d(np.arange(batch.q.shape[0]), rows)
+    assert np.isnan(np.asarray(out)[others]).all() and np.isnan(np.asarray(lse)[others]).all()
 
 
 # ---------------------------------------------------------------------------- on the H200
@@ -247,27 +286,3 @@ def test_gpu_long_causal_prefill(page_size):
         pad_seqs=0,
     )
     _check_against_reference(batch, jnp.bfloat16, implementation="mosaic")
-
-
-@pytest.mark.parametrize(
-    "dtype,head_dim,page_size",
-    [
-        (jnp.float32, 128, 16),
-        (jnp.bfloat16, 96, 16),
-        (jnp.bfloat16, 128, 12),
-        (jnp.float16, 64, 256),
-    ],
-)
-def test_not_preferred_for_inputs_it_does_not_take(dtype, head_dim, page_size):
-    """`implementation=None` falls back to the Triton kernel for these, on any device."""
-    assert not mosaic.is_preferred(jnp.dtype(dtype), head_dim=head_dim, page_size=page_size)
-    assert jaxpaged.resolve_implementation(
-        "ragged", None, dtype, head_dim=head_dim, page_size=page_size
-    ) in ("triton", "xla")
-
-
-def test_preferred_only_on_hopper():
-    on_hopper = jax.devices()[0].platform == "gpu" and jax.devices()[0].compute_capability == "9.0"
-    assert mosaic.is_preferred(jnp.dtype(jnp.bfloat16), head_dim=128, page_size=16) == on_hopper
-    expected = "mosaic" if on_hopper else "xla"
-    assert jaxpaged.resolve_implementation("ragged", None, jnp.bfloat16, head_dim=128) == expected

@@ -1,7 +1,9 @@
-"""The README's Python example runs as written."""
+"""The README's Python example runs as written; its backend table is the dispatch table."""
 
 import re
 from pathlib import Path
+
+from jaxpaged import dispatch
 
 
 def test_readme_example_runs():
@@ -15,3 +17,12 @@ def test_readme_example_runs():
     assert bool(namespace["ok"])
     assert namespace["y"].shape == (15, 256) and bool(namespace["reserved"])
     assert [len(o) for o in namespace["outputs"]] == [8, 8]
+
+
+def test_backend_table_is_the_dispatch_table():
+    """The README's backend table is `jaxpaged.dispatch.TABLE` as `backend_table()` prints
+    it; after changing the table, paste that output between the markers."""
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    start = "<!-- backend-table: jaxpaged.dispatch.backend_table() -->\n"
+    table = text[text.index(start) + len(start) : text.index("\n<!-- end of backend-table -->")]
+    assert table == dispatch.backend_table(), dispatch.backend_table()

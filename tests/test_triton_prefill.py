@@ -127,26 +127,24 @@ def test_head_dim_and_config_are_checked():
     batch = make_batch(np.random.default_rng(0), [(3, 5)], head_dim=32)
     with pytest.raises(ValueError, match=r"q's head dim D in \(64, 128, 256\).*D = 32"):
         jaxpaged.ragged_paged_attention(*batch.args(), implementation="triton")
-    batch = make_batch(np.random.default_rng(0), [(3, 5)])
     for bad in (
-        PrefillConfig(block_q=48),
-        PrefillConfig(block_kv=8),
-        PrefillConfig(num_warps=3),
-        PrefillConfig(num_stages=0),
-        PrefillConfig(short_block_q=8),
-        PrefillConfig(short_block_kv=24),
-        PrefillConfig(short_num_warps=6),
-        PrefillConfig(short_num_stages=0),
+        dict(block_q=48),
+        dict(block_kv=8),
+        dict(num_warps=3),
+        dict(num_stages=0),
+        dict(short_block_q=8),
+        dict(short_block_kv=24),
+        dict(short_num_warps=6),
+        dict(short_num_stages=0),
     ):
         with pytest.raises(ValueError, match="PrefillConfig"):
-            jaxpaged.ragged_paged_attention(*batch.args(), implementation="triton", config=bad)
+            PrefillConfig(**bad)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_default_config(head_dim, dtype):
-    config = PrefillConfig.default(head_dim, dtype)
-    config.validate()
+    config = PrefillConfig.default(head_dim, dtype)  # valid: construction checks
     assert config.num_warps in (4, 8)
 
 

@@ -1,10 +1,12 @@
-"""What the Mosaic GPU kernels share: the inputs they take, their checks, and when
-`implementation=None` may pick one."""
+"""What the Mosaic GPU kernels share: the inputs they take and their checks."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import poisoned_outputs
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one program may hold on sm_90
@@ -18,20 +20,10 @@ def takes(head_dim: int, page_size: int, block_kv: int) -> bool:
     )
 
 
-def on_sm90() -> bool:
-    device = jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
-
-
-def preferred(enabled: bool, dtype, head_dim: int, page_size: int, block_kv: int) -> bool:
-    """A kernel's `is_preferred`: `enabled` (its benchmarks put it ahead of the Triton kernel),
-    bf16/f16 inputs of shapes it takes (`block_kv`: its default step), and an sm_90 device."""
-    return (
-        enabled
-        and jnp.dtype(dtype) in DTYPES
-        and takes(head_dim, page_size, block_kv)
-        and on_sm90()
-    )
+def default_block_kv(head_dim: int) -> int:
+    """The K/V pipeline step of both kernels' default configs: 128 keys, 64 at D=256 (where
+    two stages of 128 keys and the staging buffers would not fit in shared memory)."""
+    return 128 if head_dim <= 128 else 64
 
 
 def check_pipeline(block_kv, num_stages) -> None:
@@ -75,3 +67,15 @@ def check_smem(config, smem: int, head_dim: int) -> None:
             f"config {config} needs {smem} bytes of shared memory at D={head_dim}, over "
             f"{SMEM_LIMIT}; lower num_stages or block_kv"
         )
+
+
+def launch(body, out_types, inputs, **kernel_kwargs):
+    """`plgpu.kernel(body, out_type=out_types, **kernel_kwargs)(*inputs)`. Inside
+    `poison_outputs()` the outputs start as NaN instead: refs to `poisoned_outputs` are passed
+    in (the body sees them where it sees outputs) and read back."""
+    poisoned = poisoned_outputs(out_types)
+    if poisoned is None:
+        return plgpu.kernel(body, out_type=out_types, **kernel_kwargs)(*inputs)
+    out_refs = tuple(jax.new_ref(x) for x in poisoned)
+    plgpu.kernel(body, out_type=(), **kernel_kwargs)(*inputs, *out_refs)
+    return tuple(r[...] for r in out_refs)

@@ -1,9 +1,9 @@
 """Ragged paged prefill for Hopper (sm_90), lowered through Mosaic GPU.
 
-The work is split as in the Triton prefill kernel (`pallas_kernels.triton.ragged_prefill`):
-an XLA plan (`pallas_kernels.block_plan`) cuts every sequence into blocks of 128 consecutive
-tokens and lists the key tiles each block needs; the grid is (query head, block), so nothing
-recompiles when the batch content changes. One program, three warpgroups:
+An XLA plan (`pallas_kernels.block_plan`, shared with the Triton prefill kernel) cuts every
+sequence into blocks of 128 consecutive tokens and lists the key tiles each block needs; the
+grid is (query head, block), so nothing recompiles when the batch content changes. One
+program, three warpgroups:
 
 * the copy warpgroup brings K and V in by TMA, one copy per page (a `[page_size, D]` box of
   the strided view `k_pages[page, :, kv_head, :]`), `block_kv // page_size` pages per step,
@@ -20,8 +20,9 @@ before the P V product (P is exactly 0 there, but 0 * NaN is NaN).
 
 Rows are written straight into the final `[T, Hq, D]` layout by TMA boxes of 64, 32, ..., 1
 rows (a block's last rows may belong to the next sequence, which must not be overwritten).
-Sequences of a few tokens (decode tokens) would waste most of a 128-row block, so they go to
-the Triton kernel's short-sequence launch (`launch_short_sequences`), as in the Triton path.
+A sequence of one token (a decode token) would waste 127 rows of a block and read its KV once
+per query head, so those go to the Mosaic GPU decode kernel in the same call
+(`MosaicPrefillConfig.short_sequences`).
 """
 
 from __future__ import annotations
@@ -41,12 +42,17 @@ from pallas_kernels.common import (
     logits_base2,
     online_softmax_step,
     poison_enabled,
-    poisoned,
     sanitize_metadata,
     visible,
 )
-from pallas_kernels.mosaic.common import check_inputs, check_pipeline, check_smem, preferred
-from pallas_kernels.triton import ragged_prefill as triton_prefill
+from pallas_kernels.mosaic import paged_decode, pipeline
+from pallas_kernels.mosaic.common import (
+    check_inputs,
+    check_pipeline,
+    check_smem,
+    default_block_kv,
+    launch,
+)
 
 _ROWS = 64  # rows per compute warpgroup: the `wgmma` M
 _COMPUTE_WGS = 2
@@ -54,10 +60,6 @@ _TOKENS = _ROWS * _COMPUTE_WGS  # rows per block
 # A TMA copy into tiled shared memory starts on a tile row: Q rows are copied from multiples of
 # 8 tokens, so blocks start there (`plan_blocks(align=8)`).
 _ALIGN = 8
-_SWIZZLE = 128  # bytes
-# The H200 run of 2026-11-30 (benchmarks/NOTES.md): 0.99x cuDNN paged on B=1 T=8192, where the
-# Triton kernel reaches 0.54x.
-_PREFERRED_ON_SM90 = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +70,10 @@ class MosaicPrefillConfig:
       block_kv: keys per pipeline step (the N of Q K^T): a multiple of 64 and of the page
         size, at most 256.
       num_stages: K/V steps buffered in shared memory (`2 * block_kv * D * 2` bytes each).
-      short_sequences: send sequences of at most `16 // group` tokens (at least 1) to the
-        Triton short-sequence launch instead of giving each a 128-token block.
+      short_sequences: send sequences of one token (the decode tokens of a mixed batch) to the
+        Mosaic GPU decode kernel (`pallas_kernels.mosaic.paged_decode`) instead of giving each
+        a 128-token block of its own (where the decode kernel takes the shapes: a query-head
+        group of one 64-row tile, a page size that divides its step).
     """
 
     block_kv: int = 128
@@ -79,18 +83,11 @@ class MosaicPrefillConfig:
     def __post_init__(self):
         check_pipeline(self.block_kv, self.num_stages)
 
-
-def default_config(head_dim: int) -> MosaicPrefillConfig:
-    """128-key steps (64 at D=256, where two 128-key stages would not fit), two stages."""
-    return MosaicPrefillConfig(block_kv=128 if head_dim <= 128 else 64)
-
-
-def is_preferred(dtype: jnp.dtype, head_dim: int = 128, page_size: int = 16) -> bool:
-    """Whether `implementation=None` may pick this kernel for such inputs: bf16/f16 and shapes
-    it takes (D a multiple of 64 up to 256, a page size that is a multiple of 8 dividing the
-    default step) on sm_90; elsewhere the Triton kernel serves."""
-    block_kv = default_config(head_dim).block_kv
-    return preferred(_PREFERRED_ON_SM90, dtype, head_dim, page_size, block_kv)
+    @classmethod
+    def default(cls, head_dim: int) -> MosaicPrefillConfig:
+        """The config of `config=None`: 128-key steps (64 at D=256, where two 128-key stages
+        would not fit), two stages."""
+        return cls(block_kv=default_block_kv(head_dim))
 
 
 def ragged_paged_attention(
@@ -111,8 +108,9 @@ def ragged_paged_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of a flat ragged batch over paged KV (bottom-right causal), Hopper only.
 
-    Semantics and arguments are those of `pallas_kernels.triton.ragged_prefill`'s entry point,
-    with q, k_pages and v_pages in bfloat16 or float16, D a multiple of 64 up to 256 and a
+    Semantics are those of `jaxpaged.reference.ragged_paged_attention_reference`, arguments
+    those of `jaxpaged.ragged_paged_attention`, with q, k_pages and v_pages in bfloat16 or
+    float16, D a multiple of 64 up to 256 and a
     page size that is a multiple of 8 dividing `config.block_kv`.
 
     Returns:
@@ -120,7 +118,7 @@ def ragged_paged_attention(
       key and padding tokens give 0 and -inf.
     """
     head_dim = q.shape[-1]
-    config = default_config(head_dim) if config is None else config
+    config = MosaicPrefillConfig.default(head_dim) if config is None else config
     _check(q, k_pages.shape[1], config, interpret)
     return _ragged_paged_attention(
         q,
@@ -159,6 +157,7 @@ def _ragged_paged_attention(
     config,
     poison,
 ):
+    del poison  # a static key only (see `poison_outputs`)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_tokens == 0:
@@ -174,15 +173,14 @@ def _ragged_paged_attention(
         page_size=page_size,
     )
     options = dict(causal=causal, sliding_window=sliding_window)
-    short_config = triton_prefill.PrefillConfig.default(head_dim, q.dtype)
-    short_tokens = triton_prefill.short_tokens_of(short_config, group) * config.short_sequences
+    decode_tokens = config.short_sequences and paged_decode.supports(head_dim, page_size, group)
     plan = block_plan.plan_blocks(
         meta.cu_q_lens,
         meta.kv_lens,
         num_tokens=num_tokens,
         tokens=_TOKENS,
         block_kv=config.block_kv,
-        skip_up_to=short_tokens,
+        skip_up_to=1 if decode_tokens else 0,
         align=_ALIGN,
         **options,
     )
@@ -193,16 +191,22 @@ def _ragged_paged_attention(
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((num_q_heads, lse_tokens), jnp.float32),
     )
-    kernel = plgpu.kernel(
-        _make_body(
-            group=group,
-            page_size=page_size,
-            sm_scale=sm_scale,
-            logits_soft_cap=logits_soft_cap,
-            config=config,
-            **options,
-        ),
-        out_type=() if poison else out_types,
+    body = _make_body(
+        group=group,
+        page_size=page_size,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        config=config,
+        **options,
+    )
+    # Q copies are tiled 8 rows deep and the tiling must cover q's rows: pad to a multiple of 8
+    # tokens (no copy when T is one already).
+    q_rows = -(-num_tokens // _ALIGN) * _ALIGN
+    padded_q = q if q_rows == num_tokens else jnp.pad(q, ((0, q_rows - num_tokens), (0, 0), (0, 0)))
+    out, lse_t = launch(
+        body,
+        out_types,
+        (plan, padded_q, k_pages, v_pages, meta.page_indices),
         scratch_types=_scratch(q.dtype, head_dim, page_size, config),
         grid=(num_q_heads, plan.shape[1]),
         grid_names=("head", "block"),
@@ -211,37 +215,53 @@ def _ragged_paged_attention(
         # tanh.approx is too coarse for the soft-capped logits' LSE tolerance.
         compiler_params=plgpu.CompilerParams(approx_math=logits_soft_cap is None),
     )
-    # Q copies are tiled 8 rows deep and the tiling must cover q's rows: pad to a multiple of 8
-    # tokens (no copy when T is one already).
-    q_rows = -(-num_tokens // _ALIGN) * _ALIGN
-    padded_q = q if q_rows == num_tokens else jnp.pad(q, ((0, q_rows - num_tokens), (0, 0), (0, 0)))
-    inputs = (plan, padded_q, k_pages, v_pages, meta.page_indices)
-    if poison:
-        # Outputs start as NaN so that tests see any element the kernel fails to write.
-        out_refs = tuple(jax.new_ref(poisoned(t)) for t in out_types)
-        kernel(*inputs, *out_refs)
-        out, lse_t = (r[...] for r in out_refs)
-    else:
-        out, lse_t = kernel(*inputs)
-    outputs = (out, lse_t[:, :num_tokens].T)
-    if not short_tokens:
-        return outputs
-    return triton_prefill.launch_short_sequences(
+    lse = lse_t[:, :num_tokens].T
+    if not decode_tokens:
+        return out, lse
+    return _attend_decode_tokens(
         q,
         k_pages,
         v_pages,
         meta,
-        outputs,
-        config=short_config,
+        out,
+        lse,
         sm_scale=sm_scale,
+        sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
-        interpret=False,
-        **options,
     )
 
 
+def _attend_decode_tokens(
+    q, k_pages, v_pages, meta, out, lse, *, sm_scale, sliding_window, logits_soft_cap
+):
+    """Attention of the sequences of one token (the decode tokens of a mixed batch), by the
+    Mosaic GPU decode kernel, written into their rows of `out` [T, Hq, D] and `lse` f32[T, Hq];
+    other rows keep what they hold. `meta` is sanitized. Such a token sits at `kv_len - 1`,
+    where causal or not it sees keys `[0, kv_len)`: the decode kernel's semantics.
+
+    One program per (sequence, KV head), as the Triton short-sequence launch this replaces
+    (`num_splits=1`: the kernel's outputs are final, no merge). The other slots are inactive
+    (kv_len 0): they write rows that are dropped here.
+    """
+    first = meta.cu_q_lens[:-1]
+    one_token = meta.cu_q_lens[1:] - first == 1
+    dec_out, dec_lse = paged_decode.paged_decode_attention(
+        jnp.take(q, first, axis=0, mode="clip"),
+        k_pages,
+        v_pages,
+        jnp.where(one_token, meta.kv_lens, 0),
+        meta.page_indices,
+        num_splits=1,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    rows = jnp.where(one_token, first, q.shape[0])  # past the end: dropped
+    return out.at[rows].set(dec_out, mode="drop"), lse.at[rows].set(dec_lse, mode="drop")
+
+
 def _scratch(dtype, head_dim: int, page_size: int, config: MosaicPrefillConfig):
-    tiled = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
+    tiled = pipeline.TILED
     kv = plgpu.SMEM((config.num_stages, config.block_kv, head_dim), dtype, transforms=tiled)
     pages_per_step = config.block_kv // page_size
     return (
@@ -268,7 +288,6 @@ def _scratch(dtype, head_dim: int, page_size: int, config: MosaicPrefillConfig):
 
 def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_soft_cap, config):
     block_kv, stages = config.block_kv, config.num_stages
-    pages_per_step = block_kv // page_size
 
     def body(
         plan_ref,
@@ -329,36 +348,22 @@ def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_sof
         @pl.when(wg == _COMPUTE_WGS)
         def _copy_pages():
             plgpu.set_max_registers(40, action="decrease")
-            num_pages = k_ref.shape[0]
-            # Table entries past the last page are garbage: reload the last page instead (an
-            # L2 hit); its rows are masked like every row past kv_len.
-            last_page = (jnp.maximum(kv_len, 1) - 1) // page_size
+            last = pipeline.last_page_of(kv_len, page_size)
+            kv = ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free))
 
             @pl.loop(0, num_steps)
             def _step(i):
                 slot = lax.rem(i, stages)
-                first_page = tile_of(i) * pages_per_step
-                pages = [
-                    jnp.clip(
-                        table_ref[seq, jnp.minimum(first_page + j, last_page)], 0, num_pages - 1
-                    )
-                    for j in range(pages_per_step)
-                ]
-                for src, dst, ready, free in (
-                    (k_ref, k_smem, k_ready, k_free),
-                    (v_ref, v_smem, v_ready, v_free),
-                ):
-
-                    @pl.when(i >= stages)
-                    def _wait_free(free=free):
-                        plgpu.barrier_wait(free.at[slot])
-
-                    for j, page in enumerate(pages):
-                        plgpu.copy_gmem_to_smem(
-                            src.at[page, :, kv_head, :],
-                            dst.at[slot, pl.ds(j * page_size, page_size)],
-                            ready.at[slot],
-                        )
+                pipeline.copy_step(
+                    kv,
+                    table_ref,
+                    seq=seq,
+                    block=tile_of(i),
+                    last_page=last,
+                    kv_head=kv_head,
+                    slot=slot,
+                    step=i,
+                )
 
         # The block's rows are tokens [row0_token, row0_token + 128), of which
         # [first_token, first_token + num_tokens) are the sequence's: a first block starts
@@ -417,17 +422,8 @@ def _make_body(*, group, page_size, sm_scale, causal, sliding_window, logits_sof
                 p = p.astype(v_smem.dtype)
                 plgpu.barrier_arrive(rendezvous)  # softmax done: the other may multiply
                 plgpu.barrier_wait(v_ready.at[slot])
-                if masked:
-
-                    @pl.when(start + block_kv > kv_len)
-                    def _zero_tail_v():
-                        # Both warpgroups may do this at once: they write the same values.
-                        v_tile = v_smem.at[slot]
-                        key_of_row = start + plgpu.broadcasted_iota(
-                            jnp.int32, v_tile.shape, 0, layout=layout
-                        )
-                        v_tile[...] = jnp.where(key_of_row < kv_len, v_tile[...], 0)
-                        plgpu.commit_smem()
+                if masked:  # both warpgroups may zero at once: they write the same values
+                    pipeline.zero_invisible_v(v_smem.at[slot], start, kv_len, None)
 
                 plgpu.barrier_wait(rendezvous)  # the tensor cores are ours
 

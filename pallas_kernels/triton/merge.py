@@ -1,11 +1,10 @@
 """The split-KV merge of the decode kernels as one Pallas kernel (Triton lowering).
 
-XLA compiles `pallas_kernels.common.merge_partial_states` into three to five small kernels of
-about 1 µs each (H200 run 14): at B=1 and a 32k context that is 3.3 µs next to a 35.7 µs
-attention kernel. This kernel does the same arithmetic in one launch: one program per output
-row (a query head of a sequence) reads that row's partial outputs and LSEs of every split.
-The two loads are independent: run 15 measured 2.3 µs at B=1 with the output load waiting
-for the LSEs (it was masked by them).
+XLA compiles the same merge (`pallas_kernels.common.merge_splits`) into three to five small
+kernels, whose launches are a visible part of a B=1 long-context decode (benchmarks/NOTES.md).
+This kernel does the arithmetic in one launch: one program per output row (a query head of a
+sequence) reads that row's partial outputs and LSEs of every split. The two loads are
+independent: an output load masked by the LSEs would wait for them.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import poison_enabled, poisoned
+from pallas_kernels.common import alias_outputs, poisoned_outputs
 
 
 def merge_partials(
@@ -46,16 +45,13 @@ def merge_partials(
         jax.ShapeDtypeStruct((num_x, num_y, head_dim), out_dtype),
         jax.ShapeDtypeStruct((num_x, num_y), jnp.float32),
     )
-    inputs, aliases = [outs, lses], {}
-    if poison_enabled():  # NaN outputs, so that tests see any row the kernel fails to write
-        aliases = {2: 0, 3: 1}
-        inputs += [poisoned(s) for s in out_shape]
+    inputs, aliases = alias_outputs([outs, lses], poisoned_outputs(out_shape))
     return pl.pallas_call(
         _merge_kernel,
         grid=(num_x, num_y),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        # One warp reads 16 splits of D=128 in 1.7 µs (run 16); more splits get more warps.
+        # One warp for up to 16 splits of D=128; more splits get more warps.
         compiler_params=plgpu.CompilerParams(
             num_warps=min(8, max(1, pl.next_power_of_2(num_splits) * head_dim // 2048)),
             num_stages=1,

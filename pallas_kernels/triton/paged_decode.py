@@ -22,14 +22,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (
     H200_NUM_SMS,
+    alias_outputs,
     device_num_sms,
     dot_f32,
     finalize,
     logits_base2,
-    merge_partial_states,
     online_softmax_step,
     poison_enabled,
-    poisoned,
+    poisoned_outputs,
     visible,
 )
 from pallas_kernels.triton.merge import merge_partials
@@ -38,8 +38,8 @@ from pallas_kernels.triton.merge import merge_partials
 _MIN_DOT_ROWS = 16
 # `choose_num_splits`: programs wanted per SM, and the least work per split in tiles.
 _PROGRAMS_PER_SM = 8
-# 8, not 4: on the H200, B=1 ctx 32768 ran at 2.87 TB/s with 128 splits of 4 tiles and at
-# 3.27 TB/s with 64 splits of 8 (benchmarks/results/decode_h200_run3.json).
+# 8, not 4: at B=1 and long contexts, splits of 4 tiles ran slower than fewer splits of 8
+# (benchmarks/NOTES.md).
 _MIN_TILES_PER_SPLIT = 8
 # Tokens per KV tile for 2-byte inputs, per head dim: 16 KiB per K (and per V) tile.
 _DEFAULT_BLOCK_KV = {64: 128, 128: 64, 256: 32}
@@ -57,14 +57,11 @@ class DecodeConfig:
         before its K and V loads, so K and V get a second buffer (the next tile's loads
         overlapping this tile's math) only from 5 stages on (Triton 3.6 for sm_90); with fewer,
         the programs resident on an SM (about 4 at the defaults) keep the loads in flight.
-      merge_kernel: merge the splits in one Pallas kernel (`pallas_kernels.triton.merge`);
-        False: in XLA (`pallas_kernels.common.merge_partial_states`, several small kernels).
     """
 
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    merge_kernel: bool = True
 
     def __post_init__(self):
         if self.block_kv < 16 or self.block_kv & (self.block_kv - 1):
@@ -314,6 +311,7 @@ def _paged_decode(
     interpret,
     poison,
 ):
+    del poison  # a static key only (see `poison_outputs`)
     num_seq_slots, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[2]
     group = num_q_heads // num_kv_heads
@@ -325,17 +323,8 @@ def _paged_decode(
         ),
         jax.ShapeDtypeStruct((num_splits, num_seq_slots, num_kv_heads, group), jnp.float32),
     )
-    inputs = [
-        q.reshape(num_seq_slots, num_kv_heads, group, head_dim),
-        k_pages,
-        v_pages,
-        kv_lens,
-        page_indices,
-    ]
-    aliases = {}
-    if poison:
-        aliases = {len(inputs): 0, len(inputs) + 1: 1}
-        inputs += [poisoned(s) for s in out_shape]
+    inputs = [q.reshape(num_seq_slots, num_kv_heads, group, head_dim), k_pages, v_pages]
+    inputs, aliases = alias_outputs([*inputs, kv_lens, page_indices], poisoned_outputs(out_shape))
     kernel = functools.partial(
         _decode_kernel,
         block_h=max(_MIN_DOT_ROWS, pl.next_power_of_2(group)),
@@ -363,14 +352,11 @@ def _paged_decode(
     lses = lses.reshape(num_splits, num_seq_slots, num_q_heads)
     if num_splits == 1:
         return outs[0], lses[0]
-    if config.merge_kernel:
-        rows = num_seq_slots * num_q_heads
-        out, lse = merge_partials(
-            outs.reshape(1, num_splits, rows, head_dim),
-            lses.reshape(1, num_splits, rows),
-            out_dtype=q.dtype,
-            interpret=interpret,
-        )
-        return out.reshape(q.shape), lse.reshape(num_seq_slots, num_q_heads)
-    out, lse = merge_partial_states(outs, lses)
-    return out.astype(q.dtype), lse
+    rows = num_seq_slots * num_q_heads
+    out, lse = merge_partials(
+        outs.reshape(1, num_splits, rows, head_dim),
+        lses.reshape(1, num_splits, rows),
+        out_dtype=q.dtype,
+        interpret=interpret,
+    )
+    return out.reshape(q.shape), lse.reshape(num_seq_slots, num_q_heads)

@@ -28,12 +28,13 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import block_plan
 from pallas_kernels.block_plan import plan_blocks, plan_short_sequences
 from pallas_kernels.common import (
+    alias_outputs,
     dot_f32,
     finalize,
     logits_base2,
     online_softmax_step,
     poison_enabled,
-    poisoned,
+    poisoned_outputs,
     sanitize_metadata,
     visible,
 )
@@ -103,7 +104,7 @@ class PrefillConfig:
         # keep enough loads in flight for work that is bound by memory.
         return cls(block_q, block_kv, short_block_kv=8192 // head_dim)
 
-    def validate(self) -> None:
+    def __post_init__(self):
         sizes = ["block_q", "block_kv", "short_block_kv"]
         if self.short_block_q:
             sizes.append("short_block_q")
@@ -242,9 +243,9 @@ def _prefill_kernel(
     out, lse = finalize(acc, m, l)
     # The store's rows must not be the very index arrays of the Q load: Triton would then
     # compute the [rows, D] pointer tensor once and keep it in registers across the K/V loops
-    # (255 registers per thread and spills; 313 TFLOP/s on the H200 against 418 without it,
-    # benchmarks/NOTES.md). `l` is a sum of exponentials, never negative, so `never` is all
-    # false; the compiler cannot know that, and computes the store's pointers after the loops.
+    # (255 registers per thread and spills, a much slower kernel: benchmarks/NOTES.md). `l` is
+    # a sum of exponentials, never negative, so `never` is all false; the compiler cannot know
+    # that, and computes the store's pointers after the loops.
     never = l < 0.0
     token_out = token + never.astype(jnp.int32)
     ok_out = row_ok & ~never
@@ -295,7 +296,6 @@ def ragged_paged_attention(
         )
     if config is None:
         config = PrefillConfig.default(head_dim, q.dtype)
-    config.validate()
     return _ragged_paged_attention(
         q,
         k_pages,
@@ -343,6 +343,7 @@ def _ragged_paged_attention(
     interpret,
     poison,
 ):
+    del poison  # a static key only (see `poison_outputs`)
     num_tokens, num_q_heads, _ = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_tokens == 0:
@@ -375,7 +376,7 @@ def _ragged_paged_attention(
         v_pages,
         meta.page_indices,
         plan,
-        [poisoned(s) for s in _out_shapes(q)] if poison else None,
+        poisoned_outputs(_out_shapes(q)),
         name="ragged_paged_prefill",
         tokens=tokens,
         block_kv=config.block_kv,
@@ -426,8 +427,7 @@ def launch_short_sequences(
 ):
     """The short-sequence launch: attention of every sequence of 1 to `short_tokens_of(config,
     group)` tokens, written into `outputs` (out [T, Hq, D], lse f32[T, Hq]) in place; other
-    rows keep what they hold. `meta` is sanitized (`sanitize_metadata`). The Mosaic GPU prefill
-    kernel uses it too, for the sequences it leaves out."""
+    rows keep what they hold. `meta` is sanitized (`sanitize_metadata`)."""
     options = dict(causal=causal, sliding_window=sliding_window)
     tokens = short_tokens_of(config, q.shape[1] // k_pages.shape[2])
     plan = plan_short_sequences(
@@ -476,11 +476,7 @@ def _launch(
     """One launch of the kernel over the q blocks of `plan`. It writes only the rows of its
     blocks: `outputs`, when given, are (out, lse) buffers that it updates in place."""
     num_q_heads, num_kv_heads = q.shape[1], k_pages.shape[2]
-    inputs = [plan, q, k_pages, v_pages, page_indices]
-    aliases = {}
-    if outputs is not None:
-        aliases = {len(inputs): 0, len(inputs) + 1: 1}
-        inputs += list(outputs)
+    inputs, aliases = alias_outputs([plan, q, k_pages, v_pages, page_indices], outputs)
     kernel = functools.partial(
         _prefill_kernel,
         sm_scale=sm_scale,

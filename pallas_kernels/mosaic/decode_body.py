@@ -1,0 +1,343 @@
+"""The body of the Mosaic GPU decode kernel (`pallas_kernels.mosaic.paged_decode`) and the
+shared memory it works in.
+
+Two warpgroups per program:
+
+* the copy warpgroup reads page ids from the page table and brings every page of K and V into
+  shared memory (`pipeline.copy_step`), `block_kv // page_size` pages per pipeline step and
+  `num_stages` steps ahead of compute, running on from one item into the next;
+* the compute warpgroup holds the GQA group's query heads as the rows of a 64-row score tile
+  (the `wgmma` M; rows past the group are discarded), runs `wgmma` for Q K^T and P V with a
+  base-2 online softmax in between, releases each stage as soon as its product is done, and
+  writes its group's rows straight into the final layout (`[S, Hq, D]`, or `[S, splits, Hq, D]`
+  partials).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import finalize, logits_base2, online_softmax_step, visible
+from pallas_kernels.mosaic import pipeline, slot_order
+
+TILE_M = 64  # `wgmma` M: the rows of the score tile.
+
+
+class Scratch(NamedTuple):
+    """The kernel's scratch refs (or, given to `plgpu.kernel`, their types), in the order
+    Mosaic GPU allocates them."""
+
+    q_smem: Any  # [TILE_M, D] in q's dtype: the Q tile
+    # (k_smem, v_smem, o_smem, lse_smem): the K and V stages [stages, block_kv, D] and the
+    # output staging buffers ([TILE_M, D] out, f32[TILE_M] lse), one union (see `scratch`)
+    buffers: Any
+    q_barrier: Any
+    k_ready: Any  # per stage: its K pages arrived (one arrival per page copy)
+    v_ready: Any
+    k_free: Any  # per stage: compute is done with its K
+    v_free: Any
+    lens_smem: Any = None  # ordering "kernel": i32[S] the slots' kv_lens (`order_slots`)
+    order_smem: Any = None  # ... and i32[S] the slot of each rank
+    order_ready: Any = None  # ... and the barrier the compute warpgroup waits on
+
+
+def scratch(config, dtype, partial_dtype, head_dim, page_size, ordering, num_seq_slots):
+    """The `Scratch` types of a call: K/V stages of `dtype`, output staging in
+    `partial_dtype` (q's dtype with one split, float32 partials with more)."""
+    stages, block_kv = config.num_stages, config.block_kv
+    kv_buffer = plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=pipeline.TILED)
+    staging = (
+        plgpu.SMEM((TILE_M, head_dim), partial_dtype),
+        plgpu.SMEM((TILE_M,), jnp.float32),
+    )
+    order = ()
+    if ordering == "kernel":
+        order = (
+            plgpu.SMEM((num_seq_slots,), jnp.int32),
+            plgpu.SMEM((num_seq_slots,), jnp.int32),
+            plgpu.Barrier(),
+        )
+    return Scratch(
+        plgpu.SMEM((TILE_M, head_dim), dtype, transforms=pipeline.TILED),
+        # One program, one item: the K/V stages and the output staging buffers live at
+        # disjoint times. Persistent programs need both at once.
+        plgpu.RefUnion((kv_buffer, kv_buffer, *staging))
+        if config.persistent
+        else plgpu.RefUnion((kv_buffer, kv_buffer), staging),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        *order,
+    )
+
+
+def smem_bytes(config, head_dim: int, itemsize: int) -> int:
+    """Shared memory of one program (`scratch`), at most: the K and V stages and the Q tile,
+    for persistent programs the output staging buffers (float32 partials at most) besides,
+    and with `longest_first` the lengths and order of `order_slots`."""
+    smem = (2 * config.num_stages * config.block_kv + TILE_M) * head_dim * itemsize
+    if config.persistent:
+        smem += TILE_M * (head_dim + 1) * 4
+    if config.longest_first:
+        smem += 2 * slot_order.MAX_SLOTS_RANKED * 4
+    return smem
+
+
+def make_body(
+    *,
+    group,
+    page_size,
+    num_splits,
+    chunk,
+    sm_scale,
+    sliding_window,
+    logits_soft_cap,
+    config,
+    num_programs,
+    items_per_program,
+    ordering,
+):
+    """The kernel body. Work comes in items, one (KV head, split, sequence slot) each. Without
+    `config.persistent` the grid is the items themselves; with it, each of the grid's programs
+    walks `items_per_program` items of the snake order (`snake_item`), the copy warpgroup
+    running on into the next item's pages while compute finishes the last one's steps.
+
+    The body takes the refs of q, k_pages, v_pages, kv_lens and page_indices, with `ordering`
+    "xla" the slot order (`slot_order.slots_by_length`), then out and lse, then `Scratch`."""
+    block_kv, stages = config.block_kv, config.num_stages
+    q_rows = q_copy_rows(group)
+
+    def body(q_ref, k_ref, v_ref, lens_ref, table_ref, *refs):
+        *order_input, out_ref, lse_ref, scratch = refs
+        if ordering == "kernel":  # where kv_lens are read: the copy of `order_slots`
+            lens, order_ref = scratch.lens_smem, scratch.order_smem
+        else:
+            lens, order_ref = lens_ref, (order_input[0] if ordering == "xla" else None)
+        if config.persistent:  # the output staging buffers outlive an item's K/V stages
+            ((k_smem, v_smem, o_smem, lse_smem),) = scratch.buffers
+        else:  # they live at disjoint times
+            (k_smem, v_smem), (o_smem, lse_smem) = scratch.buffers
+        q_smem, q_barrier = scratch.q_smem, scratch.q_barrier
+        k_ready, v_ready = scratch.k_ready, scratch.v_ready
+        k_free, v_free = scratch.k_free, scratch.v_free
+        kv = ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free))
+        num_kv_heads = k_ref.shape[2]
+        pages_per_seq = table_ref.shape[1]
+        num_seq_slots = lens_ref.shape[0]
+
+        def item_of(index):
+            """(KV head, split, slot) of an item. `index` counts KV heads fastest, then
+            splits, then slots; or, ordered (`longest_first`), KV heads, then slots from the
+            longest down (`order_ref`: longest first from `order_slots`, shortest first
+            from `slots_by_length`), then splits."""
+            kv_head = lax.rem(index, num_kv_heads)
+            unit = index // num_kv_heads
+            if ordering is None:
+                return kv_head, lax.rem(unit, num_splits), unit // num_splits
+            rank = lax.rem(unit, num_seq_slots)
+            if ordering == "xla":
+                rank = num_seq_slots - 1 - rank
+            seq = jnp.clip(order_ref[rank], 0, num_seq_slots - 1)
+            return kv_head, unit // num_seq_slots, seq
+
+        def steps_of(split, seq, valid):
+            """kv_len, the item's first pipeline step and how many it takes (0 if `valid` is
+            False; None: always valid)."""
+            # The clamps of `sanitize_metadata`, done here to save XLA kernels per call: bad
+            # metadata gives wrong numbers, never an out-of-bounds read.
+            kv_len = jnp.clip(lens[seq], 0, pages_per_seq * page_size)
+            # Steps [first, end) hold every visible key; this split takes `chunk` of them.
+            if sliding_window is None:
+                first = jnp.int32(0)
+            else:
+                first = jnp.maximum(kv_len - sliding_window, 0) // block_kv
+            end = pl.cdiv(kv_len, block_kv)
+            step0 = first + split * chunk
+            num_steps = jnp.clip(end - step0, 0, chunk)
+            if valid is not None:
+                num_steps = jnp.where(valid, num_steps, 0)
+            return kv_len, step0, num_steps
+
+        def copy_item(kv_head, split, seq, valid, count):
+            """Copies every page of the item; `count` numbers pipeline steps across items."""
+            kv_len, step0, num_steps = steps_of(split, seq, valid)
+            last = pipeline.last_page_of(kv_len, page_size)
+
+            def step(i, count):
+                slot = lax.rem(count, stages)
+                pipeline.copy_step(
+                    kv,
+                    table_ref,
+                    seq=seq,
+                    block=step0 + i,
+                    last_page=last,
+                    kv_head=kv_head,
+                    slot=slot,
+                    step=count,
+                )
+                return count + 1
+
+            return lax.fori_loop(0, num_steps, step, count)
+
+        @jax.named_scope("epilogue")
+        def write_output(kv_head, split, seq, acc, m, l):
+            out, lse = finalize(acc, m, l)
+            if config.persistent:  # the previous item's output copy must have read o_smem
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[...] = out.astype(o_smem.dtype)
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+            # The group sits at rows [tile_row, tile_row + group) of the tile (`q_tile_start`);
+            # only those rows are written, at the group's heads of the final layout.
+            tile_row = lax.rem(kv_head * group, 8)
+            heads = pl.ds(kv_head * group, group)
+            out_dst, lse_dst = (
+                (out_ref, lse_ref)
+                if num_splits == 1
+                else (out_ref.at[:, split], lse_ref.at[:, split])
+            )
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(tile_row, group)], out_dst.at[seq, heads])
+            # A TMA box needs 16-byte rows, more than a small group's LSEs: plain stores.
+            for r in range(group):
+                lse_dst[seq, kv_head * group + r] = lse_smem[tile_row + r]
+            if not config.persistent:
+                plgpu.wait_smem_to_gmem(0)
+
+        def compute_item(kv_head, split, seq, valid, count):
+            """Attention of the item's query heads over its steps; returns the step count."""
+            kv_len, step0, num_steps = steps_of(split, seq, valid)
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[seq, pl.ds(q_tile_start(kv_head, group), q_rows)],
+                q_smem.at[pl.ds(0, q_rows)],
+                q_barrier,
+            )
+            head_dim = q_smem.shape[-1]
+            acc = plgpu.layout_cast(jnp.zeros((TILE_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+            row = plgpu.Layout.WGMMA.reduce(1)
+            m = plgpu.layout_cast(jnp.full((TILE_M,), -jnp.inf, jnp.float32), row)
+            l = plgpu.layout_cast(jnp.zeros((TILE_M,), jnp.float32), row)
+            with jax.named_scope("wait_q"):
+                plgpu.barrier_wait(q_barrier)
+
+            def step(i, carry):
+                acc, m, l = carry
+                slot = lax.rem(count + i, stages)
+                start = (step0 + i) * block_kv
+                with jax.named_scope("wait_k"):
+                    plgpu.barrier_wait(k_ready.at[slot])
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    return s_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((TILE_M, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                key = start + plgpu.broadcasted_iota(
+                    jnp.int32, (TILE_M, block_kv), 1, layout=plgpu.Layout.WGMMA
+                )
+                ok = visible(kv_len - 1, key, kv_len, causal=False, sliding_window=sliding_window)
+                # NaN logits of keys past kv_len are replaced here, never used.
+                logits2 = jnp.where(ok, logits_base2(s, sm_scale, logits_soft_cap), -jnp.inf)
+                m, l, alpha, p = online_softmax_step(m, l, logits2)
+                acc = acc * alpha[:, None]
+                with jax.named_scope("wait_v"):
+                    plgpu.barrier_wait(v_ready.at[slot])
+
+                pipeline.zero_invisible_v(v_smem.at[slot], start, kv_len, sliding_window)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m, l
+
+            with jax.named_scope("steps"):
+                acc, m, l = lax.fori_loop(0, num_steps, step, (acc, m, l))
+
+            if valid is None:
+                write_output(kv_head, split, seq, acc, m, l)
+            else:
+                pl.when(valid)(lambda: write_output(kv_head, split, seq, acc, m, l))
+
+            return count + num_steps
+
+        wg = lax.axis_index("wg")
+        if config.persistent:
+            program = lax.axis_index("program")
+            num_items = num_kv_heads * num_splits * num_seq_slots
+
+            def run(work):
+                """`work` on each of this program's items of the snake order."""
+
+                def item(k, count):
+                    index = snake_item(k, program, num_programs)
+                    valid = index < num_items
+                    kv_head, split, seq = item_of(jnp.minimum(index, num_items - 1))
+                    return work(kv_head, split, seq, valid, count)
+
+                lax.fori_loop(0, items_per_program, item, jnp.int32(0))
+
+        else:
+            index = lax.axis_index("kv_head") + num_kv_heads * (
+                lax.axis_index("split") + num_splits * lax.axis_index("seq")
+            )
+
+            def run(work):
+                """`work` on this program's one item."""
+                kv_head, split, seq = item_of(index)
+                work(kv_head, split, seq, None, jnp.int32(0))
+
+        @pl.when(wg == 1)
+        @jax.named_scope("copy")
+        def _copy():
+            if ordering == "kernel":  # the copy warpgroup orders the slots for both
+                with jax.named_scope("order"):
+                    slot_order.order_slots(lens_ref, scratch.lens_smem, scratch.order_smem)
+                    plgpu.barrier_arrive(scratch.order_ready)
+            run(copy_item)
+
+        @pl.when(wg == 0)
+        @jax.named_scope("compute")
+        def _compute():
+            if ordering == "kernel":
+                plgpu.barrier_wait(scratch.order_ready)
+            run(compute_item)
+            if config.persistent:  # one item per program waits in `write_output`
+                plgpu.wait_smem_to_gmem(0)
+
+    return body
+
+
+def snake_item(k, program, num_programs):
+    """The item that `program` takes k-th in a persistent grid: rounds of `num_programs`
+    items, dealt forward in even rounds and backward in odd ones, so that with items sorted
+    longest first (`longest_first`) every program gets a long and a short one in turn."""
+    forward = lax.rem(k, 2) == 0
+    return k * num_programs + jnp.where(forward, program, num_programs - 1 - program)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def q_tile_start(kv_head, group):
+    """First head of the Q copy of `kv_head`: its group's first head rounded down to a multiple
+    of 8, because a TMA copy into tiled shared memory must start on a tile row. The group then
+    sits at rows `kv_head * group % 8 ...` of the score tile."""
+    return pl.multiple_of(kv_head * group // 8 * 8, 8)
+
+
+def q_copy_rows(group: int) -> int:
+    """Rows of the Q copy: whole 8-row tiles covering the group at any start offset."""
+    max_offset = 0 if group % 8 == 0 else 8 - math.gcd(group, 8)
+    return _round_up(group + max_offset, 8)
