@@ -210,14 +210,11 @@ def decode_block(
 # 300-400 kernels, and launching them one by one costs the host milliseconds. XLA's command
 # buffers (CUDA graphs) cut that, but the graph is updated before it is launched, so the GPU
 # waits for the host instead of starting on the first kernel. Small steps, whose kernels take
-# less time than their launches, gain: with a minimum graph size of 1 (every run of compatible
-# kernels one graph), a 256-token step of the 1B decoder took 3.83 ms against 4.53 ms without
-# command buffers, decode B=64 3.28 ms against 4.26 (same H200 run, benchmarks/NOTES.md run
-# 11). Large steps lose: a 2048-token step took 15.3 ms with them against 10.2 without (runs
-# 12 and 10).
-# Command buffers also take while loops and conditionals (CUDA graph conditional nodes), so that
-# a decode block's loop runs with no host round trip per step: a `1b` B=1 block step took 1.16
-# ms against 1.63 ms with XLA's default command types (H200 run 43).
+# less time than their launches, gain (with a minimum graph size of 1: every run of compatible
+# kernels one graph); steps of more than 512 tokens lose, their kernels being long enough to
+# hide the launches. Command buffers also take while loops and conditionals (CUDA graph
+# conditional nodes), so that a decode block's loop runs with no host round trip per step.
+# The measurements behind these rules: benchmarks/NOTES.md, "End to end" and "Session 8".
 COMMAND_BUFFER_MAX_TOKENS = 512
 COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 SMALL_STEP_XLA_OPTIONS = (
@@ -228,8 +225,8 @@ LARGE_STEP_XLA_OPTIONS = (("xla_gpu_enable_command_buffer", ""),)
 
 
 # Decode steps of at least this many rows take cuBLAS for their projections instead of XLA's
-# Triton GEMMs: B=64 blocks of the `1b` decoder ran 12% faster, B=16 blocks 3% (H200 run 44),
-# while at B=1 Triton's were faster.
+# Triton GEMMs: faster for the `1b` decoder's blocks of 16 and 64 rows, slower for one row
+# (benchmarks/NOTES.md, "Session 8").
 CUBLAS_MIN_DECODE_ROWS = 16
 
 

@@ -1,11 +1,3 @@
-import os
-
-# Four host devices for the tensor-parallel tests' CPU meshes (before jax starts); every other
-# test runs on one device as before.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]
-).strip()
-
 import jax
 import pytest
 

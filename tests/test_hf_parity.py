@@ -1,8 +1,8 @@
 """Parity with Hugging Face transformers: the same checkpoint folder loaded by transformers and by
 `models.checkpoint.load_pretrained` gives the same prompt logits (float32, single-shot and in
-chunks), the same greedy continuation (`_check_greedy`), and in bfloat16 log-probabilities no
-further from transformers' float32 than transformers' own bfloat16 forward is; folders written
-by transformers' `save_pretrained` load.
+chunks), the greedy continuation of transformers' `generate` (`_check_greedy`), and in
+bfloat16 log-probabilities no further from transformers' float32 than transformers' own
+bfloat16 forward is; folders written by transformers' `save_pretrained` load.
 
 Runs where torch and transformers import (the GPU image has both; CI does not, and skips with
 that reason). transformers runs on the CPU in float32 (eager attention), so that it never
@@ -100,26 +100,34 @@ def test_float32_prompt_logits_and_greedy_continuation(checkpoint):
 
 
 def _check_greedy(arch, hf, prompt, ours) -> None:
-    """Our greedy continuation is transformers' greedy continuation: at every step our token is
-    the argmax of transformers' forward over the prompt and our tokens before it (one causal
-    forward checks all steps). `generate` should give the same tokens; where it does not, the
-    step, and transformers' forward there, are printed: on the H200 image (transformers 5.17)
-    `generate` on the Llama 3 model left its own forward's argmax at a top-2 margin of 0.0066,
-    far above float32 noise, where its forward and ours agree (benchmarks/NOTES.md)."""
+    """Our greedy continuation is transformers' `generate`'s, run without its KV cache (each step
+    a forward over the whole sequence): one causal forward over the prompt and our tokens then
+    has its argmax at each of our tokens, and `generate(use_cache=False)` gives them. With its
+    cache, `generate` should give them too; where it does not, the step and transformers' own
+    forward there are printed: on the H200 image (transformers 5.17) the cached `generate` on
+    the Llama 3 model left its forward's argmax at a top-2 margin of 0.0066, far above float32
+    noise (benchmarks/NOTES.md)."""
     logits = _hf_logits(hf, prompt + ours)[PROMPT_LEN - 1 : -1]
     forward = logits.argmax(-1).tolist()
     assert ours == forward, f"{arch}: " + _divergence(logits, ours, forward, "forward's")
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0
-        )
-    generated = out[0, PROMPT_LEN:].tolist()
-    assert len(generated) == NEW_TOKENS
-    if generated != ours:
-        print(
-            f"{arch}: transformers' generate left its forward: "
-            + _divergence(logits, ours, generated, "generate's")
-        )
+    for use_cache in (False, True):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                pad_token_id=0,
+                use_cache=use_cache,
+            )
+        generated = out[0, PROMPT_LEN:].tolist()
+        assert len(generated) == NEW_TOKENS
+        if not use_cache:
+            assert generated == ours, f"{arch}: " + _divergence(logits, ours, generated, "its")
+        elif generated != ours:
+            print(
+                f"{arch}: transformers' cached generate left its forward: "
+                + _divergence(logits, ours, generated, "generate's")
+            )
 
 
 def _divergence(logits, ours, theirs, name) -> str:
@@ -131,6 +139,17 @@ def _divergence(logits, ours, theirs, name) -> str:
         f"step {step}: ours {ours[step]}, {name} {theirs[step]}, transformers' forward argmax "
         f"{int(np.argmax(logits[step]))} at a top-2 margin of {top[1] - top[0]:.3g}"
     )
+
+
+def test_bfloat16_logprobs_no_further_from_float32_than_transformers(checkpoint):
+    arch, path, prompt = checkpoint
+    exact = _prompt_logprobs(_hf_logits(_hf(path, torch.float32), prompt), prompt)
+    hf_bf16 = _prompt_logprobs(_hf_logits(_hf(path, torch.bfloat16), prompt), prompt)
+    seq = _ours(path, prompt, dtype="bfloat16")
+    ours = _prompt_logprobs(seq.prompt_logits, prompt)
+    ours_err, hf_err = np.mean(np.abs(ours - exact)), np.mean(np.abs(hf_bf16 - exact))
+    print(f"{arch}: mean |dlogprob| vs transformers f32: ours {ours_err:.4f}, theirs {hf_err:.4f}")
+    assert np.isfinite(ours_err) and ours_err <= hf_err, (arch, ours_err, hf_err)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

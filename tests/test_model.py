@@ -445,7 +445,7 @@ def test_demo_prints_json(capsys):
 
 
 def test_small_steps_get_command_buffers_and_large_ones_do_not():
-    """The XLA options rule of `step_xla_options` (H200 runs 10-12, benchmarks/NOTES.md), and
+    """The XLA options rule of `step_xla_options` (measured in benchmarks/NOTES.md), and
     the engine's two step kinds compiled by it: decode steps (max_seqs tokens) and mixed steps
     (max_tokens_per_step) each by their own token count."""
     assert step_xla_options(1) == step_xla_options(512) == SMALL_STEP_XLA_OPTIONS
