@@ -209,9 +209,10 @@ def test_block_updates_pages_and_pool_in_place_and_compiles_once():
 
 
 def test_soak_random_requests_each_equal_to_running_alone():
-    """200 requests of random prompt lengths, max_new_tokens and stop tokens arrive while others
-    run, through a pool small enough to force preemptions; every one finishes with the greedy
-    output it has alone (computed once without stop tokens, then cut at the first stop)."""
+    """200 requests of random prompt lengths, max_new_tokens, stop tokens and 1 to 3 samples
+    arrive while others run, through a pool small enough to force preemptions; every sample
+    finishes with the greedy output the request has alone (computed once without stop tokens,
+    then cut at the first stop)."""
     rng = np.random.default_rng(7)
     num_requests = 200
     prompts = [_prompt(int(rng.integers(1, 60)), 1000 + i) for i in range(num_requests)]
@@ -222,10 +223,12 @@ def test_soak_random_requests_each_equal_to_running_alone():
         for p, n in zip(prompts, max_new, strict=True)
     ]
     params, expected = [], []
+    # Drawn from a generator of their own: the other draws stay those of the test without them.
+    num_samples = np.random.default_rng(8).choice([1, 1, 2, 3], num_requests).tolist()
     for out, n in zip(alone, max_new, strict=True):
         stops = (int(rng.choice(out)),) if rng.random() < 0.5 else ()
         stops += tuple(int(t) for t in rng.integers(0, VOCAB, int(rng.integers(0, 3))))
-        params.append(SamplingParams(int(n), stop_token_ids=stops))
+        params.append(SamplingParams(int(n), stop_token_ids=stops, n=int(num_samples.pop())))
         hits = [j for j, t in enumerate(out) if t in stops]
         expected.append(out[: hits[0] + 1] if hits else out)
     engine = _engine("xla", decode_steps=8, max_seqs=8, num_pages=14, max_model_len=96)
@@ -238,8 +241,11 @@ def test_soak_random_requests_each_equal_to_running_alone():
         engine.step()
     assert engine.scheduler.num_preemptions > 0 and engine.stats.cut_blocks > 0
     assert sum(s.finish_reason == "stop" for s in seqs.values()) > 20
+    assert engine.stats.forked_samples > 100 and engine.stats.failed_forks == 0
     for i, seq in seqs.items():
-        assert seq.finished and seq.output == expected[i], i
+        assert len(seq.samples) == params[i].n
+        for sample in seq.samples:
+            assert sample.finished and sample.output == expected[i], (i, sample.sample_index)
     assert np.asarray(engine.pool.free).all()
 
 
