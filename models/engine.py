@@ -11,9 +11,12 @@ Four jitted functions, each compiled once (all shapes come from `EngineConfig`):
   fork    after the step that completes the prompt of a request of n samples: its other
           samples start as forks of it in the pool, sharing its full pages, with the copy of
           its last page in every layer (`fork_samples`).
-A step's host sync reads its sampled tokens. A block's sync reads its [N, S] tokens once,
-and while block i runs the host has already enqueued block i+1 from block i's device outputs,
-so the GPU does not wait for the host between blocks.
+Between them the host applies the scheduler's pool updates, each one jitted call: slots
+released, and with prefix caching pages cached (`jaxpaged.retain`), evicted (`drop`) and
+attached to admitted requests (`attach`). A step's host sync reads its sampled tokens. A
+block's sync reads its [N, S] tokens once, and while block i runs the host has already
+enqueued block i+1 from block i's device outputs, so the GPU does not wait for the host
+between blocks.
 """
 
 from __future__ import annotations
@@ -326,7 +329,10 @@ class Stats:
     that with blocks enqueued ahead it is the wall time the host waited for. `forked_samples`
     counts the samples of n-sample requests that started as forks (their prompt computed once
     for the request), `failed_forks` the forks the pool could not hold (their samples then
-    computed their prompts on their own)."""
+    computed their prompts on their own). With prefix caching, admissions looked up
+    `prefix_queried_pages` full prompt pages in the cache and found `prefix_hit_pages` of them
+    (the pages saved: neither computed nor stored again); `prefix_evicted_pages` were
+    evicted."""
 
     prefill_tokens: int = 0
     prefill_time: float = 0.0
@@ -344,6 +350,9 @@ class Stats:
     dispatch_time: float = 0.0
     forked_samples: int = 0
     failed_forks: int = 0
+    prefix_queried_pages: int = 0
+    prefix_hit_pages: int = 0
+    prefix_evicted_pages: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -352,6 +361,12 @@ class Stats:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_time if self.decode_time else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The share of looked-up prompt pages found in the prefix cache."""
+        queried = self.prefix_queried_pages
+        return self.prefix_hit_pages / queried if queried else 0.0
 
 
 class _Block(NamedTuple):
@@ -434,6 +449,7 @@ class Engine:
         self._block: _Block | None = None  # the decode block in flight
         self._last_block_failed = False
         self._clock = 0.0
+        self._pool_oks: list[jax.Array] = []  # of the prefix cache's pool updates, unread
 
     def step_fn(self, decode: bool):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
@@ -513,7 +529,10 @@ class Engine:
         if self._block is not None:
             return self._next_block()
         plan = self.scheduler.schedule()
+        self.stats.prefix_queried_pages += plan.prefix_queried
+        self.stats.prefix_hit_pages += plan.prefix_hits
         self._release_pending()
+        self._evict_and_attach()
         if not plan.chunks:
             return []
         blocks = self.config.decode_steps is not None and not record_prompt_logits
@@ -536,6 +555,7 @@ class Engine:
             )
         self.stats.dispatch_time += time.perf_counter() - start
         tokens, logprobs, ok = jax.device_get((out.tokens, out.logprobs, out.ok))
+        self._check_pool_updates()
         elapsed = time.perf_counter() - start
         self.stats.steps += 1
         if not ok:
@@ -545,7 +565,13 @@ class Engine:
         if record_prompt_logits:
             self._record_logits(plan, np.asarray(out.logits))
         self._count(plan, elapsed)
-        finished = self.scheduler.update(plan, tokens, logprobs)
+        page_table = None
+        if self.scheduler.cache is not None and any(
+            c.start < c.seq.prompt_len for c in plan.chunks
+        ):
+            page_table = np.asarray(self.pool.page_indices)  # the pages the prompts filled
+        finished = self.scheduler.update(plan, tokens, logprobs, page_table)
+        self._retain_pending()
         self._fork_pending()
         self._release_pending()
         return finished
@@ -610,6 +636,7 @@ class Engine:
         tokens, logprobs, counts, steps, ok = jax.device_get(
             (out.tokens, out.logprobs, out.counts, out.steps, out.ok)
         )
+        self._check_pool_updates()
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
         self.stats.blocks += 1
@@ -698,6 +725,52 @@ class Engine:
             else:
                 self.stats.failed_forks += 1
                 self.scheduler.on_failed_fork(samples)
+
+    def _pool_update(self, fn, *args) -> None:
+        """Run a pool update of the prefix cache (pool donated); its `ok` is read at the next
+        sync, by `_check_pool_updates`."""
+        with self._calling():
+            self.pool, ok = fn(self.pool, *args)
+        self._pool_oks.append(ok)
+
+    def _check_pool_updates(self) -> None:
+        oks, self._pool_oks = jax.device_get(self._pool_oks), []
+        if not all(oks):
+            raise RuntimeError(
+                "a prefix cache update was refused by the page pool: the scheduler's view of "
+                "the cached pages disagrees with the pool's"
+            )
+
+    def _page_ids(self, pages: list[int]) -> np.ndarray:
+        # Padded to num_pages ids so that `retain` and `drop` compile once.
+        ids = np.full(self.config.num_pages, -1, np.int32)
+        ids[: len(pages)] = pages
+        return ids
+
+    def _evict_and_attach(self) -> None:
+        """Drop the pages the scheduler evicted from the prefix cache, then start the admitted
+        requests on their cached pages."""
+        scheduler = self.scheduler
+        if scheduler.to_evict:
+            self.stats.prefix_evicted_pages += len(scheduler.to_evict)
+            self._pool_update(jaxpaged.drop, self._page_ids(scheduler.to_evict))
+            scheduler.to_evict.clear()
+        if scheduler.to_attach:
+            # Padded to max_seqs rows so that `attach` compiles once.
+            seq_ids = np.full(self.config.max_seqs, -1, np.int32)
+            rows = np.full((self.config.max_seqs, self.config.pages_per_seq), -1, np.int32)
+            kv_lens = np.zeros(self.config.max_seqs, np.int32)
+            for i, (slot, pages) in enumerate(scheduler.to_attach):
+                seq_ids[i], rows[i, : len(pages)] = slot, pages
+                kv_lens[i] = len(pages) * self.config.page_size
+            self._pool_update(jaxpaged.attach, seq_ids, rows, kv_lens)
+            scheduler.to_attach.clear()
+
+    def _retain_pending(self) -> None:
+        """Hold the pages the scheduler put in the prefix cache, before any slot is released."""
+        if self.scheduler.to_retain:
+            self._pool_update(jaxpaged.retain, self._page_ids(self.scheduler.to_retain))
+            self.scheduler.to_retain.clear()
 
     def _release_pending(self) -> None:
         # Padded to max_seqs ids so that `release` compiles once.

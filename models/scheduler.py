@@ -27,6 +27,7 @@ import math
 import numpy as np
 
 from models.config import EngineConfig
+from models.prefix_cache import PrefixCache, page_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +173,9 @@ class Plan:
     """
 
     chunks: list[Chunk]
+    # Prompt pages the admissions looked up in the prefix cache, and found there.
+    prefix_queried: int = 0
+    prefix_hits: int = 0
     forks: list[tuple[int, Sequence]] = dataclasses.field(init=False)
 
     def __post_init__(self):
@@ -192,19 +196,26 @@ class Plan:
 @dataclasses.dataclass(eq=False)
 class _Shared:
     """The full pages that the running samples of one request hold in common since their fork
-    (`pages` of them, held by `holders` sequences)."""
+    and the prefix cache does not hold (`pages` of them, held by `holders` sequences)."""
 
     pages: int
     holders: int
 
 
 class Scheduler:
-    """Host-side state of continuous batching. The page counts mirror `jaxpaged.reserve`'s
-    and `jaxpaged.fork`'s accounting (a sequence of n cached tokens holds ceil(n / page_size)
-    pages, the full pages of a forked prompt are held once by all its samples, and a fork
-    takes a fresh page per new sample when the prompt's last page is partly filled), so plans
-    fit the pool; the engine still checks the step's `ok` and calls `on_failed_step` if one did
-    not, and `on_failed_fork` if a fork did not."""
+    """Host-side state of continuous batching. The page counts mirror the pool's (a sequence of
+    n cached tokens holds ceil(n / page_size) pages, a page held by several sequences or by the
+    prefix cache is one page, and a fork takes a fresh page per new sample when the prompt's
+    last page is partly filled), so plans fit the pool; the engine still checks the step's `ok`
+    and calls `on_failed_step` if one did not, and `on_failed_fork` if a fork did not.
+
+    With `EngineConfig.prefix_caching`, the full pages of every prompt go to the prefix cache
+    once computed (`to_retain`); an admitted request starts on the cached pages of its prompt's
+    longest cached prefix (`to_attach`), leaving at least its last token to compute, and idle
+    cached pages are evicted (`to_evict`) before any sequence is preempted for pages. The
+    engine applies `to_release`, `to_evict` and `to_attach` in that order before a step, and
+    `to_retain`, then `to_fork`, then `to_release` after it.
+    """
 
     def __init__(self, config: EngineConfig):
         self.page_size = config.page_size
@@ -217,9 +228,15 @@ class Scheduler:
         self.to_release: list[int] = []  # slots the engine must release before the next step
         # (source slot, samples): forks the engine must run before releasing slots.
         self.to_fork: list[tuple[int, list[Sequence]]] = []
+        self.to_attach: list[tuple[int, list[int]]] = []  # (slot, cached pages to start it on)
+        self.to_evict: list[int] = []  # cached pages to drop
+        self.to_retain: list[int] = []  # pages newly cached
         self.num_preemptions = 0
+        self.cache = PrefixCache() if config.prefix_caching else None
         self._hold_admission = False
         self._shared: dict[Sequence, _Shared] = {}
+        self._cached: dict[Sequence, list[int]] = {}  # cached pages each running sequence holds
+        self._keys: dict[Sequence, list[bytes]] = {}  # its prompt's page keys, once computed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -231,19 +248,27 @@ class Scheduler:
         return -(-num_tokens // self.page_size)
 
     def num_held_pages(self) -> int:
-        """The pages the running sequences hold, each shared page counted once."""
-        held = sum(self._pages(s.num_cached) for s in self.running)
+        """The pages the running sequences and the prefix cache hold, each counted once."""
+        held = sum(self._pages(s.num_cached) - len(self._cached.get(s, ())) for s in self.running)
         groups = {id(g): g for g in self._shared.values()}
-        return held - sum(g.pages * (g.holders - 1) for g in groups.values())
+        held -= sum(g.pages * (g.holders - 1) for g in groups.values())
+        return held + (self.cache.num_pages if self.cache is not None else 0)
 
-    def _need(self, seq: Sequence, n: int) -> int:
-        """The free pages that caching `n` more tokens of `seq` takes, with the copies of its
-        prompt's partly filled last page when that completes the prompt of an n-sample
+    def _need(self, seq: Sequence, start: int, n: int) -> int:
+        """The free pages that caching tokens `start:start + n` of `seq` takes, with the copies
+        of its prompt's partly filled last page when that completes the prompt of an n-sample
         request (forks happen only when a sample can generate a second token)."""
-        need = self._pages(seq.num_cached + n) - self._pages(seq.num_cached)
-        if seq.num_cached + n == len(seq.tokens) and seq.params.max_new_tokens > 1:
+        need = self._pages(start + n) - self._pages(start)
+        if start + n == len(seq.tokens) and seq.params.max_new_tokens > 1:
             need += len(seq.unforked) * (len(seq.tokens) % self.page_size != 0)
         return need
+
+    def _idle(self) -> int:
+        return self.cache.num_idle if self.cache is not None else 0
+
+    def _evict(self) -> int:
+        self.to_evict.append(self.cache.evict())
+        return 1
 
     def schedule(self) -> Plan:
         budget = self.max_tokens
@@ -257,10 +282,13 @@ class Scheduler:
             if seq.slot < 0:  # preempted while planning this step
                 continue
             n = min(len(seq.tokens) - seq.num_cached, self.chunk_size, budget)
-            need = self._need(seq, n)
-            while need > free and self.running[-1] is not seq:
-                free += self.preempt(self.running[-1])
-                preempted = True
+            need = self._need(seq, seq.num_cached, n)
+            while need > free and (self._idle() or self.running[-1] is not seq):
+                if self._idle():
+                    free += self._evict()
+                else:
+                    free += self.preempt(self.running[-1])
+                    preempted = True
             if need > free:  # the newest sequence cannot fit next to the older ones
                 self.preempt(seq)
                 preempted = True
@@ -268,27 +296,56 @@ class Scheduler:
             free -= need
             budget -= n
             chunks.append(Chunk(seq, seq.num_cached, n))
+        queried = hits = 0
         # No admissions after a preemption: the pages just freed belong to the older sequences.
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            n = min(len(seq.tokens), self.chunk_size, budget)
+            keys = self._prompt_keys(seq)
+            cached = self.cache.match(keys) if self.cache is not None else []
+            start = len(cached) * self.page_size
+            n = min(len(seq.tokens) - start, self.chunk_size, budget)
+            need = self._need(seq, start, n)
+            # Its cached pages stop being idle: they cannot be evicted for it.
+            evictable = self._idle() - sum(self.cache.is_idle(p) for p in cached)
             # A request of n samples takes a slot for each.
-            if len(self.free_slots) < 1 + len(seq.unforked) or self._need(seq, n) > free:
+            if len(self.free_slots) < 1 + len(seq.unforked) or need > free + evictable:
                 break
             self.waiting.popleft()
-            free -= self._need(seq, n)
             seq.slot = heapq.heappop(self.free_slots)
             for sample in seq.unforked:
                 sample.slot = heapq.heappop(self.free_slots)
+            if self.cache is not None:
+                self.cache.use(cached)
+                self._cached[seq] = cached
+                queried, hits = queried + len(keys), hits + len(cached)
+            if cached:
+                self.to_attach.append((seq.slot, cached))
+            while need > free:
+                free += self._evict()
+            free -= need
+            seq.num_cached = start
             self.running.append(seq)
             budget -= n
-            chunks.append(Chunk(seq, 0, n))
-        return Plan(chunks)
+            chunks.append(Chunk(seq, start, n))
+        return Plan(chunks, prefix_queried=queried, prefix_hits=hits)
+
+    def _page_keys(self, seq: Sequence) -> list[bytes]:
+        """The keys of the prompt's full pages (computed once per sequence)."""
+        if seq not in self._keys:
+            self._keys[seq] = page_keys(seq.tokens[: seq.prompt_len], self.page_size)
+        return self._keys[seq]
+
+    def _prompt_keys(self, seq: Sequence) -> list[bytes]:
+        """The keys of the prompt's full pages that an admission may take from the cache:
+        all but the page of its last token, which must be computed for its logits."""
+        if self.cache is None:
+            return []
+        return self._page_keys(seq)[: (len(seq.tokens) - 1) // self.page_size]
 
     def preempt(self, seq: Sequence) -> int:
         """Stop `seq`, queue its slot for release and put it first in line; returns the pages
-        this frees (a shared page only with its last holder). It keeps its tokens and recomputes
-        their K/V when admitted again."""
+        this frees (a shared page only with its last holder, a cached page not). It keeps its
+        tokens and recomputes their K/V (or takes them from the cache) when admitted again."""
         freed = self._pages(seq.num_cached) - self._leave_shared(seq)
         self.running.remove(seq)
         self._free_slot(seq)
@@ -299,9 +356,12 @@ class Scheduler:
 
     def on_failed_step(self) -> None:
         """The step's reservation failed, so it changed nothing: preempt the newest sequence and
-        admit nobody next step, so that the older ones get its pages."""
+        admit nobody next step, so that the older ones get its pages; evict every idle cached
+        page too (the page counts were off, so the pool may be full of them)."""
         self.preempt(self.running[-1])
         self._hold_admission = True
+        while self._idle():
+            self._evict()
 
     def on_failed_fork(self, samples: list[Sequence]) -> None:
         """The pool could not hold the fork that was to start `samples` (it changed nothing):
@@ -309,10 +369,18 @@ class Scheduler:
         for seq in reversed(samples):
             self.preempt(seq)
 
-    def update(self, plan: Plan, tokens: np.ndarray, logprobs: np.ndarray) -> list[Sequence]:
+    def update(
+        self,
+        plan: Plan,
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        page_indices: np.ndarray | None = None,
+    ) -> list[Sequence]:
         """Record a successful step: chunk i's sample is `tokens[i]`, and `plan.forks[j]`'s is
         `tokens[len(plan.chunks) + j]`. The forked samples that may generate more run after
-        their source, queued in `to_fork`. Returns finished sequences, whose slots are queued
+        their source, queued in `to_fork`. With the prefix cache, `page_indices` is the pool's
+        page table after the step ([max_seqs, pages_per_seq]): the prompt pages the step filled
+        are cached, queued in `to_retain`. Returns finished sequences, whose slots are queued
         for release."""
         finished = []
         forks = collections.defaultdict(list)
@@ -321,6 +389,8 @@ class Scheduler:
         for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
             seq.num_cached += chunk.length
+            if self.cache is not None and chunk.start < seq.prompt_len:
+                self._cache_pages(chunk, page_indices[seq.slot])
             if not chunk.samples:
                 continue
             seq.tokens.append(int(tokens[i]))
@@ -331,6 +401,18 @@ class Scheduler:
                 self._finish(seq)
                 finished.append(seq)
         return finished
+
+    def _cache_pages(self, chunk: Chunk, pages: np.ndarray) -> None:
+        """Cache the prompt pages that `chunk` filled (`pages`: its sequence's page table row),
+        unless the cache has their prefixes in other pages already."""
+        seq = chunk.seq
+        keys = self._page_keys(seq)
+        end = min(chunk.start + chunk.length, seq.prompt_len) // self.page_size
+        for k in range(chunk.start // self.page_size, end):
+            page = int(pages[k])
+            if self.cache.insert(keys[k], page):
+                self._cached[seq].append(page)
+                self.to_retain.append(page)
 
     def _start_samples(self, seq, samples, tokens, logprobs) -> list[Sequence]:
         """Give `seq`'s forked samples their first tokens; those that may generate more run
@@ -349,7 +431,12 @@ class Scheduler:
         if started:
             at = self.running.index(seq) + 1
             self.running[at:at] = started
-            shared = _Shared(seq.num_cached // self.page_size, 1 + len(started))
+            cached = self._cached.get(seq, [])
+            for sample in started:
+                if self.cache is not None:
+                    self.cache.use(cached)
+                    self._cached[sample] = list(cached)
+            shared = _Shared(seq.num_cached // self.page_size - len(cached), 1 + len(started))
             for s in (seq, *started):
                 self._shared[s] = shared
             self.to_fork.append((seq.slot, started))
@@ -378,15 +465,19 @@ class Scheduler:
         self._leave_shared(seq)
         self.running.remove(seq)
         self._free_slot(seq)
+        self._keys.pop(seq, None)
 
     def _leave_shared(self, seq: Sequence) -> int:
-        """Drop `seq` from the holders of its request's shared pages; returns how many of its
-        pages stay held by the others."""
+        """Drop `seq` from the holders of its pages that others hold too (other samples of its
+        request, the prefix cache); returns how many of its pages stay held by them."""
+        cached = self._cached.pop(seq, [])
+        if self.cache is not None:
+            self.cache.unuse(cached)
         shared = self._shared.pop(seq, None)
         if shared is None:
-            return 0
+            return len(cached)
         shared.holders -= 1
-        return shared.pages if shared.holders else 0
+        return len(cached) + (shared.pages if shared.holders else 0)
 
     def _free_slot(self, seq: Sequence) -> None:
         self.to_release.append(seq.slot)

@@ -18,6 +18,7 @@ import pytest
 import jaxpaged
 from models.config import CONFIGS, EngineConfig
 from models.engine import Engine, fork_samples
+from models.prefix_cache import page_keys
 from models.scheduler import SamplingParams
 from tests.helpers import backend_params, count_compilations, require
 from tests.test_model import PAGE, _cached_kv, _check_pool, _model
@@ -533,3 +534,165 @@ def test_for_sample_derives_the_seed_and_one_sample():
 def test_add_request_rejects_more_samples_than_slots_or_pages(changes, match):
     with pytest.raises(ValueError, match=match):
         _engine("xla", **changes).add_request([1] * 145, SamplingParams(4, n=3))
+
+
+def _check_cached_pool(engine: Engine) -> None:
+    """`_check_pool` with a prefix cache: each page's refcount is the slots that hold it plus
+    one where the cache holds it, and the scheduler counts the pool's used pages."""
+    pool = jax.device_get(engine.pool)
+    held = np.concatenate([pool.page_indices[s, :n] for s, n in enumerate(pool.num_owned)])
+    cached = [p in engine.scheduler.cache for p in range(pool.num_pages)]
+    np.testing.assert_array_equal(
+        pool.refcount, np.bincount(held, minlength=pool.num_pages) + cached
+    )
+    for seq in engine.scheduler.running:
+        assert pool.kv_lens[seq.slot] == seq.num_cached
+        assert pool.num_owned[seq.slot] == -(-seq.num_cached // PAGE)
+    assert _used_pages(engine) == engine.scheduler.num_held_pages()
+
+
+def _cached_engine(backend="xla", **changes) -> Engine:
+    return _engine(backend, prefix_caching=True, **changes)
+
+
+def _run_checking_cached_pool(engine: Engine, prompts, params, *, record: bool = False):
+    """Run to completion, checking the pool after every step or block (`_check_cached_pool`).
+    Returns the sequences and, by sequence id, its page table row after its first step."""
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    first_rows = {}
+    with jaxpaged.quiet_triton_deprecation():
+        while engine.has_work():
+            engine.step(record_prompt_logits=record)
+            engine.sync()
+            _check_cached_pool(engine)
+            table = np.asarray(engine.pool.page_indices)
+            for s in engine.scheduler.running:
+                first_rows.setdefault(s.id, table[s.slot].tolist())
+    return seqs, first_rows
+
+
+def _run_recording(engine: Engine, prompts, params):
+    with jaxpaged.quiet_triton_deprecation():
+        return engine.generate(prompts, params, record_prompt_logits=True)
+
+
+BASE_PROMPT = _prompt(40, 51)  # two full pages and 8 tokens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefix_cache_reuses_the_full_pages_of_a_prompts_prefix(backend):
+    """One request at a time (steps one by one, prompt logits recorded): each prompt's full
+    pages go to the cache; a prompt that starts with the same tokens starts on them, computes
+    only the rest and gives what it gives without the cache. A page is keyed by its whole
+    prefix: the same tokens after another first page miss. A prompt that is all cached pages
+    still computes its last page, for its last token's logits."""
+    cases = [  # prompt, pages looked up, pages found
+        (BASE_PROMPT, 2, 0),
+        (BASE_PROMPT + _prompt(30, 52), 4, 2),  # extends it: its two full pages hit
+        (_prompt(PAGE, 53) + BASE_PROMPT[PAGE:], 2, 0),  # page 2 alike, page 1 not
+        (BASE_PROMPT[: 2 * PAGE], 1, 1),  # page-aligned: the second page is computed again
+        (BASE_PROMPT, 2, 2),
+    ]
+    require(backend)
+    engine = _cached_engine(backend, decode_steps=None)
+    plain = _engine(backend, decode_steps=None)
+    for prompt, queried, hits in cases:
+        params = SamplingParams(6, 0.8, seed=len(prompt))
+        stats = dataclasses.replace(engine.stats)
+        cached = engine.scheduler.cache.match(page_keys(prompt, PAGE)[:hits])
+        [seq], first_rows = _run_checking_cached_pool(engine, [prompt], [params], record=True)
+        assert engine.stats.prefix_queried_pages - stats.prefix_queried_pages == queried
+        assert engine.stats.prefix_hit_pages - stats.prefix_hit_pages == hits
+        assert engine.stats.prefill_tokens - stats.prefill_tokens == len(prompt) - hits * PAGE
+        assert first_rows[seq.id][:hits] == cached
+        [ref] = _run_recording(plain, [prompt], [params])
+        _assert_same([seq], [ref])
+        start = hits * PAGE  # positions taken from the cache have no logits
+        assert np.isnan(seq.prompt_logits[:start]).all()
+        np.testing.assert_allclose(
+            seq.prompt_logits[start:], ref.prompt_logits[start:], rtol=0, atol=1e-5
+        )
+        np.testing.assert_allclose(seq.output_logits, ref.output_logits, rtol=0, atol=1e-5)
+    assert engine.stats.prefix_hit_rate == 5 / 11
+    # The pool holds only the cached pages: every prompt's full pages, once per prefix.
+    assert engine.scheduler.cache.num_pages == 2 + 2 + 2
+    assert _used_pages(engine) == 6
+
+
+def test_prefix_cache_evicts_the_least_recently_used_idle_pages():
+    """On a 10-page pool, three finished 49-token prompts leave 9 idle cached pages; a new
+    prompt that needs 3 pages evicts the two least recently used, the deepest pages of the
+    oldest prompt first, so that its first page still hits and the other prompts all do."""
+    prompts = [_prompt(3 * PAGE + 1, 60 + i) for i in range(3)]
+    engine = _cached_engine(num_pages=10)
+    for prompt in prompts:
+        _run_checking_cached_pool(engine, [prompt], [SamplingParams(4)])
+    cache = engine.scheduler.cache
+    assert cache.num_pages == cache.num_idle == 9 and engine.stats.prefix_evicted_pages == 0
+    _run_checking_cached_pool(engine, [_prompt(2 * PAGE + 1, 63)], [SamplingParams(4)])
+    assert engine.stats.prefix_evicted_pages == 2
+    assert [len(cache.match(page_keys(p, PAGE))) for p in prompts] == [1, 3, 3]
+    [seq], _ = _run_checking_cached_pool(engine, prompts[:1], [SamplingParams(4)])
+    assert engine.stats.prefix_hit_pages == 1
+    _assert_same([seq], _generate(_engine("xla"), prompts[:1], SamplingParams(4)))
+
+
+# Requests of up to 3 samples whose prompts start with one of three prefixes, cut at various
+# lengths (some page-aligned), with their own tails.
+_rng = np.random.default_rng(0)
+_PREFIXES = [_prompt(n, 500 + n) for n in (20, 35, 50)]
+CACHED_PROMPTS = [
+    p[: int(_rng.integers(len(p) // 2, len(p) + 1))] + _prompt(int(_rng.integers(0, 20)), 900 + i)
+    for i, p in enumerate(_PREFIXES[k] for k in _rng.integers(0, 3, 24))
+]
+CACHED_PARAMS = [
+    SamplingParams(int(_rng.integers(4, 20)), 0.0 if i % 2 else 0.8, seed=i, n=int(n))
+    for i, n in enumerate(_rng.choice([1, 1, 2, 3], 24))
+]
+
+
+@functools.cache
+def _uncached_reference():
+    return _generate(
+        _engine("xla", decode_steps=None, num_pages=200), CACHED_PROMPTS, CACHED_PARAMS
+    )
+
+
+@pytest.mark.parametrize("decode_steps", [None, 8], ids=["steps", "blocks"])
+def test_prefix_cache_on_a_small_pool_evicts_and_preempts_and_changes_no_output(decode_steps):
+    """24 requests (38 samples) through a 10-page pool: prefixes hit, idle pages are evicted,
+    sequences preempted (and recomputed from the cache), n-sample requests fork from cached
+    prompts; after every step the pool and the scheduler agree, and every sample gives what it
+    gives without the cache."""
+    engine = _cached_engine(num_pages=10, decode_steps=decode_steps, chunk_size=32)
+    seqs, _ = _run_checking_cached_pool(engine, CACHED_PROMPTS, CACHED_PARAMS)
+    stats = engine.stats
+    assert stats.prefix_hit_pages > 10 and stats.prefix_evicted_pages > 10
+    assert engine.scheduler.num_preemptions > 0 and stats.forked_samples > 10
+    if decode_steps is None:
+        assert stats.failed_steps == 0
+    _assert_same(_all_samples(seqs), _all_samples(_uncached_reference()))
+
+
+def test_prefix_cache_recovers_when_the_scheduler_overbooks_the_pool():
+    """With a scheduler that believes the pool is endless, steps fail on a pool full of cached
+    pages; the engine evicts them, preempts and retries, and every sample is still right."""
+    engine = _cached_engine(num_pages=10, chunk_size=32)
+    engine.scheduler.num_pages = 10**6
+    seqs = _generate(engine, CACHED_PROMPTS, CACHED_PARAMS)
+    assert engine.stats.failed_steps > 0 and engine.stats.prefix_hit_pages > 0
+    _assert_same(_all_samples(seqs), _all_samples(_uncached_reference()))
+
+
+def test_prefix_cache_updates_compile_once():
+    engine = _cached_engine(num_pages=10)
+    # Warm-up as in the eviction test (prompts cached, one that evicts, one that hits), and
+    # a fork.
+    cached = [_prompt(3 * PAGE + 1, 60 + i) for i in range(3)]
+    for prompt in [*cached, _prompt(2 * PAGE + 1, 63), cached[0]]:
+        _generate(engine, [prompt], SamplingParams(4))
+    _generate(engine, [_prompt(5, 64)], SamplingParams(3, n=2))
+    assert engine.stats.prefix_hit_pages and engine.stats.prefix_evicted_pages
+    with count_compilations() as compiles:
+        _generate(engine, CACHED_PROMPTS[6:12], CACHED_PARAMS[6:12])
+    assert not compiles, f"{len(compiles)} compilations after warm-up"
