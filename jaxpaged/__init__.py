@@ -6,8 +6,9 @@ Ops (one layer's page pool `k_pages, v_pages [P, page_size, Hkv, D]`):
   append_kv               write a step's new K/V into the pages
   copy_pages              copy whole pages (a forked sequence's private last page)
   merge_attention_states  combine attention over two disjoint key sets
-State: PagePool with create_pool / reserve / fork / release / batch_metadata (pages shared
-  between forked sequences are reference-counted); validate_fork checks a fork on the host.
+State: PagePool with create_pool / reserve / fork / attach / release / batch_metadata (pages
+  shared between sequences are reference-counted) and retain / drop (pages held without a
+  slot, as a prefix cache holds them); validate_fork checks a fork on the host.
 Layer: PagedAttention (Flax NNX, GQA + RoPE over one layer's pages) with StepMetadata and
   RopeScaling.
 """
@@ -35,12 +36,15 @@ from jaxpaged.layers import (
 )
 from jaxpaged.page_pool import (
     PagePool,
+    attach,
     batch_metadata,
     create_pool,
+    drop,
     fork,
     num_free_pages,
     release,
     reserve,
+    retain,
     validate_fork,
 )
 
@@ -52,10 +56,12 @@ __all__ = [
     "StepMetadata",
     "append_kv",
     "apply_rope",
+    "attach",
     "available_implementations",
     "batch_metadata",
     "copy_pages",
     "create_pool",
+    "drop",
     "fork",
     "fuse_qkv",
     "merge_attention_states",
@@ -66,6 +72,7 @@ __all__ = [
     "rope_frequencies",
     "release",
     "reserve",
+    "retain",
     "split_qkv",
     "tensor_parallel_size",
     "resolve_implementation",

@@ -2,9 +2,11 @@
 
 Every function is pure and jittable, and the pool is donated so that XLA updates it in place.
 A reservation or fork the pool cannot satisfy leaves it unchanged and returns `ok = False`: no
-partial allocation. Sequences share pages only through `fork`, and only full pages: a page held
-by two sequences lies wholly below both their `kv_len`s, and since lengths only grow, every
-write (at positions `>= kv_len`) lands in a page its sequence holds alone.
+partial allocation. Sequences share pages only through `fork` and `attach`, and only full
+pages: a page held by two sequences lies wholly below both their `kv_len`s, and since lengths
+only grow, every write (at positions `>= kv_len`) lands in a page its sequence holds alone.
+Pages can also be held without a slot (`retain`, `drop`): a prefix cache keeps computed pages
+that way for the sequences that later `attach` them.
 """
 
 from __future__ import annotations
@@ -237,6 +239,108 @@ def validate_fork(pool: PagePool, src, dst_seq_ids) -> None:
         if d in seen:
             raise ValueError(f"destination slot {d} appears more than once")
         seen.add(d)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def attach(
+    pool: PagePool, seq_ids: jax.Array, page_indices: jax.Array, kv_lens: jax.Array
+) -> tuple[PagePool, jax.Array]:
+    """Start the empty slots `seq_ids` on full pages that hold their first tokens already.
+
+    Slot `seq_ids[i]` gets `kv_lens[i]` tokens, a multiple of `page_size`, in the first
+    `kv_lens[i] / page_size` pages of `page_indices[i]`, each of which gains a holder. The pages
+    must be held already (by a slot, or without one through `retain`): a free page holds no
+    K/V. They are full, so shared as forked pages are: the slot's appends go to fresh pages.
+
+    Args:
+      pool: the pool (donated).
+      seq_ids: i32[N] the slots: empty, distinct and < max_seqs; a negative id is padding.
+      page_indices: i32[N, pages_per_seq] their pages in order (entries past each row's pages
+        are ignored).
+      kv_lens: i32[N] their lengths.
+
+    Returns:
+      `(pool, ok)`. When a slot is out of range, active or repeated, a length is negative, not
+      a multiple of page_size or over the slot's capacity, or a listed page is out of range or
+      free, `ok` is False and the pool comes back unchanged.
+    """
+    seq_ids = jnp.asarray(seq_ids, jnp.int32)
+    page_indices = jnp.asarray(page_indices, jnp.int32)
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    live = seq_ids >= 0
+    slots = _slot_or_oob(pool, seq_ids)
+    num_owned = kv_lens // pool.page_size
+    k = jnp.arange(pool.pages_per_seq, dtype=jnp.int32)[None, :]
+    used = live[:, None] & (k < num_owned[:, None])
+    held = pool.refcount.at[page_indices].get(mode="fill", fill_value=0) > 0
+    active = pool.kv_lens.at[slots].get(mode="fill", fill_value=0) > 0
+    repeats = jnp.zeros((pool.max_seqs,), jnp.int32).at[slots].add(1, mode="drop")
+    capacity = pool.pages_per_seq * pool.page_size
+    ok = (
+        jnp.all(
+            ~live
+            | (
+                (seq_ids < pool.max_seqs)
+                & ~active
+                & (kv_lens >= 0)
+                & (kv_lens % pool.page_size == 0)
+                & (kv_lens <= capacity)
+            )
+        )
+        & jnp.all(repeats <= 1)
+        & jnp.all(~used | ((page_indices >= 0) & (page_indices < pool.num_pages) & held))
+    )
+    attached = PagePool(
+        refcount=pool.refcount.at[jnp.where(used, page_indices, pool.num_pages)].add(
+            1, mode="drop"
+        ),
+        page_indices=pool.page_indices.at[slots].set(
+            jnp.where(used, page_indices, -1), mode="drop"
+        ),
+        kv_lens=pool.kv_lens.at[slots].set(kv_lens, mode="drop"),
+        num_owned=pool.num_owned.at[slots].set(num_owned, mode="drop"),
+        page_size=pool.page_size,
+    )
+    return _if_ok(ok, attached, pool), ok
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def retain(pool: PagePool, page_ids: jax.Array) -> tuple[PagePool, jax.Array]:
+    """Hold the pages `page_ids` (i32[N], negative ids pad; a repeated id is held once per
+    occurrence) without a slot, so that they outlive their slots' `release`. Returns `(pool,
+    ok)`: `ok` is False, and the pool unchanged, when an id is out of range, its page is free
+    (it holds no K/V to keep) or a slot's partly filled last page (shared pages are full)."""
+    page_ids = jnp.asarray(page_ids, jnp.int32)
+    live = page_ids >= 0
+    held = pool.refcount.at[page_ids].get(mode="fill", fill_value=0) > 0
+    k = jnp.arange(pool.pages_per_seq, dtype=jnp.int32)[None, :]
+    last = (k < pool.num_owned[:, None]) & ((k + 1) * pool.page_size > pool.kv_lens[:, None])
+    partial = (
+        jnp.zeros((pool.num_pages,), bool)
+        .at[jnp.where(last, pool.page_indices, pool.num_pages)]
+        .set(True, mode="drop")
+    )
+    full = ~partial.at[page_ids].get(mode="fill", fill_value=True)
+    ok = jnp.all(~live | ((page_ids < pool.num_pages) & held & full))
+    return _if_ok(ok, _add_refs(pool, page_ids, 1), pool), ok
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def drop(pool: PagePool, page_ids: jax.Array) -> tuple[PagePool, jax.Array]:
+    """Let go of pages held by `retain` (i32[N], negative ids pad; one hold per occurrence); a
+    page is free once it has no holder. Returns `(pool, ok)`: `ok` is False, and the pool
+    unchanged, when an id is out of range or would lose more holders than it has."""
+    page_ids = jnp.asarray(page_ids, jnp.int32)
+    counts = (
+        jnp.zeros_like(pool.refcount).at[page_ids].add(jnp.where(page_ids >= 0, 1, 0), mode="drop")
+    )
+    ok = jnp.all(page_ids < pool.num_pages) & jnp.all(counts <= pool.refcount)
+    return _if_ok(ok, _add_refs(pool, page_ids, -1), pool), ok
+
+
+def _add_refs(pool: PagePool, page_ids: jax.Array, delta: int) -> PagePool:
+    index = jnp.where(page_ids >= 0, page_ids, pool.num_pages)
+    return dataclasses.replace(pool, refcount=pool.refcount.at[index].add(delta, mode="drop"))
 
 
 @functools.partial(jax.jit, donate_argnums=0)

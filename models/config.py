@@ -101,6 +101,9 @@ class EngineConfig:
     decode_steps: most decode steps of one block (one jitted `lax.while_loop`, one host sync);
       None runs decode one step and one sync at a time.
     max_stop_tokens: most stop token ids per request.
+    prefix_caching: keep the full pages of computed prompts in the pool (a prefix cache,
+      `models/prefix_cache.py`) and start each request whose prompt begins with the same tokens
+      on them, evicting the least recently used idle pages when pages run out.
     """
 
     page_size: int = 16
@@ -111,6 +114,7 @@ class EngineConfig:
     chunk_size: int | None = None
     decode_steps: int | None = 16
     max_stop_tokens: int = 4
+    prefix_caching: bool = False
 
     def __post_init__(self):
         if self.decode_steps is not None and self.decode_steps < 1:

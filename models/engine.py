@@ -1,16 +1,22 @@
 """The engine: jitted steps over donated KV pages and page pool, and the host loop of
 continuous batching around them.
 
-Three jitted functions, each compiled once (all shapes come from `EngineConfig`):
+Four jitted functions, each compiled once (all shapes come from `EngineConfig`):
   mixed   a step of T = max_tokens_per_step tokens: prefill chunks of several sequences,
           decodes riding along; attention by `ragged_paged_attention`.
   decode  a step of one token per sequence slot; attention by `paged_decode_attention`.
   block   up to `decode_steps` decode steps in one `lax.while_loop`: each step reserves its
           pages in the pool, appends K/V, samples on the device and feeds the token back;
           rows stop on the device at a stop token or their token budget.
-A step's host sync reads its sampled tokens. A block's sync reads its [N, S] tokens once,
-and while block i runs the host has already enqueued block i+1 from block i's device outputs,
-so the GPU does not wait for the host between blocks.
+  fork    after the step that completes the prompt of a request of n samples: its other
+          samples start as forks of it in the pool, sharing its full pages, with the copy of
+          its last page in every layer (`fork_samples`).
+Between them the host applies the scheduler's pool updates, each one jitted call: slots
+released, and with prefix caching pages cached (`jaxpaged.retain`), evicted (`drop`) and
+attached to admitted requests (`attach`). A step's host sync reads its sampled tokens. A
+block's sync reads its [N, S] tokens once, and while block i runs the host has already
+enqueued block i+1 from block i's device outputs, so the GPU does not wait for the host
+between blocks.
 """
 
 from __future__ import annotations
@@ -43,17 +49,21 @@ MIN_DECODE_ROWS = 2
 
 
 class StepInputs(NamedTuple):
-    """A step's host-built arrays. Row s < num_seqs of the batch is pool slot `seq_ids[s]`."""
+    """A step's host-built arrays. Row s < num_seqs of the batch is pool slot `seq_ids[s]`.
+    Sample row r draws from the logits after the last token of row `sample_rows[r]` with the
+    sampling parameters of row r: rows below num_seqs from their own, the rows after them
+    (`Plan.forks`) from the row whose chunk completes their request's prompt."""
 
     tokens: jax.Array  # i32[T]
     seq_ids: jax.Array  # i32[S], -1 for padding rows
     cu_q_lens: jax.Array  # i32[S+1]
     num_seqs: jax.Array  # i32[]
+    sample_rows: jax.Array  # i32[S]
     sampling: SamplingArrays
 
 
 class StepOutputs(NamedTuple):
-    tokens: jax.Array  # i32[S], each row's sample after its last token
+    tokens: jax.Array  # i32[S], each sample row's token
     logprobs: jax.Array  # f32[S], their log-probabilities (temperature 1)
     ok: jax.Array  # bool[], False: the pool could not hold the step and nothing was written
     logits: jax.Array  # f32[T, vocab] with all_logits, else f32[S, vocab] (rows' last tokens)
@@ -134,7 +144,8 @@ def model_step(
         row_logits = logits[last]
     else:
         logits = row_logits = model.logits(hidden[last])
-    tokens, logprobs = sample(row_logits, inputs.sampling, kv_lens)
+    rows = inputs.sample_rows
+    tokens, logprobs = sample(row_logits[rows], inputs.sampling, kv_lens[rows])
     return kv_pages, pool, StepOutputs(tokens, logprobs, ok, logits)
 
 
@@ -204,6 +215,19 @@ def decode_block(
     counts = jnp.sum(out_tokens >= 0, axis=0, dtype=jnp.int32)
     next_inputs = inputs._replace(tokens=tokens, budgets=budgets)
     return kv_pages, pool, BlockOutputs(out_tokens, out_logprobs, counts, steps, ok, next_inputs)
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_pages", "pool"))
+def fork_samples(
+    kv_pages: KVPages, pool: jaxpaged.PagePool, src: jax.Array, dst_seq_ids: jax.Array
+) -> tuple[KVPages, jaxpaged.PagePool, jax.Array]:
+    """Start the empty slots `dst_seq_ids` (i32[N], -1 pads: N fixed so that this compiles once)
+    as forks of the active slot `src` (i32[]): `jaxpaged.fork`, then the copies of `src`'s
+    partly filled last page that it asks for, in every layer, in one call. Pages and pool are
+    donated. Returns `(kv_pages, pool, ok)`; `ok` False (the pool could not hold the copies, or
+    the slots break `validate_fork`'s rules) changed nothing."""
+    pool, ok, copies = jaxpaged.fork(pool, src, dst_seq_ids)
+    return [jaxpaged.copy_pages(k, v, *copies) for k, v in kv_pages], pool, ok
 
 
 # XLA options of the engine's steps on GPUs (ignored elsewhere). A step of the ~1B decoder is
@@ -299,7 +323,13 @@ class Stats:
     """Throughput counters. A step that computes any prompt (or recomputed) tokens counts as
     prefill time; decode time and tokens come from decode steps and blocks. A block's time runs
     from the previous block's sync (or its own launch, when none ran before it) to its sync, so
-    that with blocks enqueued ahead it is the wall time the host waited for."""
+    that with blocks enqueued ahead it is the wall time the host waited for. `forked_samples`
+    counts the samples of n-sample requests that started as forks (their prompt computed once
+    for the request), `failed_forks` the forks the pool could not hold (their samples then
+    computed their prompts on their own). With prefix caching, admissions looked up
+    `prefix_queried_pages` full prompt pages in the cache and found `prefix_hit_pages` of them
+    (the pages saved: neither computed nor stored again); `prefix_evicted_pages` were
+    evicted."""
 
     prefill_tokens: int = 0
     prefill_time: float = 0.0
@@ -315,6 +345,11 @@ class Stats:
     # Host time inside the jitted calls (argument handling and launch; the GPU runs on after
     # they return), summed over all steps and blocks.
     dispatch_time: float = 0.0
+    forked_samples: int = 0
+    failed_forks: int = 0
+    prefix_queried_pages: int = 0
+    prefix_hit_pages: int = 0
+    prefix_evicted_pages: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -323,6 +358,12 @@ class Stats:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_time if self.decode_time else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The share of looked-up prompt pages found in the prefix cache."""
+        queried = self.prefix_queried_pages
+        return self.prefix_hit_pages / queried if queried else 0.0
 
 
 class _Block(NamedTuple):
@@ -405,6 +446,7 @@ class Engine:
         self._block: _Block | None = None  # the decode block in flight
         self._last_block_failed = False
         self._clock = 0.0
+        self._pool_oks: list[jax.Array] = []  # of the prefix cache's pool updates, unread
 
     def step_fn(self, decode: bool):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
@@ -429,7 +471,8 @@ class Engine:
             yield
 
     def add_request(self, prompt: Seq[int], params: SamplingParams) -> Sequence:
-        """Queue a request; it is admitted when a slot, pages and the step's budget allow."""
+        """Queue a request; it is admitted when a slot per sample, pages and the step's budget
+        allow. Returns sample 0, whose `samples` are all n (`SamplingParams.n`)."""
         total = len(prompt) + params.max_new_tokens
         if not prompt or total > self.config.max_model_len:
             raise ValueError(
@@ -445,10 +488,31 @@ class Engine:
                 f"{self.config.max_stop_tokens} ids below vocab_size={self.vocab_size}; "
                 f"got {stops}"
             )
-        seq = Sequence(self._next_id, [int(t) for t in prompt], len(prompt), params)
-        self._next_id += 1
-        self.scheduler.add(seq)
-        return seq
+        n, page_size = params.n, self.config.page_size
+        # The step that completes the prompt holds its pages and a copy of its last page per
+        # other sample, however small the pool: it may have to run alone.
+        fork_pages = -(-len(prompt) // page_size) + (n - 1) * (len(prompt) % page_size != 0)
+        if n > self.config.max_seqs or (n > 1 and fork_pages > self.config.num_pages):
+            raise ValueError(
+                f"SamplingParams.n={n} needs a slot per sample (max_seqs="
+                f"{self.config.max_seqs}) and {fork_pages} pages for the {len(prompt)}-token "
+                f"prompt and the copies of its last page (num_pages={self.config.num_pages})"
+            )
+        samples = [
+            Sequence(
+                self._next_id + i,
+                [int(t) for t in prompt],
+                len(prompt),
+                params.for_sample(i),
+                sample_index=i,
+            )
+            for i in range(n)
+        ]
+        for seq in samples:
+            seq.samples = samples
+        self._next_id += n
+        self.scheduler.add(samples[0])
+        return samples[0]
 
     def has_work(self) -> bool:
         return self._block is not None or self.scheduler.has_work()
@@ -462,7 +526,10 @@ class Engine:
         if self._block is not None:
             return self._next_block()
         plan = self.scheduler.schedule()
+        self.stats.prefix_queried_pages += plan.prefix_queried
+        self.stats.prefix_hit_pages += plan.prefix_hits
         self._release_pending()
+        self._evict_and_attach()
         if not plan.chunks:
             return []
         blocks = self.config.decode_steps is not None and not record_prompt_logits
@@ -485,6 +552,7 @@ class Engine:
             )
         self.stats.dispatch_time += time.perf_counter() - start
         tokens, logprobs, ok = jax.device_get((out.tokens, out.logprobs, out.ok))
+        self._check_pool_updates()
         elapsed = time.perf_counter() - start
         self.stats.steps += 1
         if not ok:
@@ -494,7 +562,14 @@ class Engine:
         if record_prompt_logits:
             self._record_logits(plan, np.asarray(out.logits))
         self._count(plan, elapsed)
-        finished = self.scheduler.update(plan, tokens, logprobs)
+        page_table = None
+        if self.scheduler.cache is not None and any(
+            c.start < c.seq.prompt_len for c in plan.chunks
+        ):
+            page_table = np.asarray(self.pool.page_indices)  # the pages the prompts filled
+        finished = self.scheduler.update(plan, tokens, logprobs, page_table)
+        self._retain_pending()
+        self._fork_pending()
         self._release_pending()
         return finished
 
@@ -513,7 +588,8 @@ class Engine:
         *,
         record_prompt_logits: bool = False,
     ) -> list[Sequence]:
-        """Run every prompt to completion; returns their sequences in the prompts' order."""
+        """Run every prompt to completion; returns their sequences in the prompts' order (of
+        n-sample requests sample 0, whose `samples` holds all n)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -557,6 +633,7 @@ class Engine:
         tokens, logprobs, counts, steps, ok = jax.device_get(
             (out.tokens, out.logprobs, out.counts, out.steps, out.ok)
         )
+        self._check_pool_updates()
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
         self.stats.blocks += 1
@@ -614,8 +691,83 @@ class Engine:
             seq_ids[i] = c.seq.slot
             cu_q_lens[i + 1] = offset
         cu_q_lens[len(plan.chunks) + 1 :] = offset
-        sampling = self._sampling([c.seq for c in plan.chunks], num_seq_slots)
-        return StepInputs(tokens, seq_ids, cu_q_lens, np.int32(len(plan.chunks)), sampling)
+        # The forked samples fit after the chunks: each holds a slot of its own.
+        sample_rows = np.arange(num_seq_slots, dtype=np.int32)
+        sample_rows[len(plan.chunks) : len(plan.chunks) + len(plan.forks)] = [
+            row for row, _ in plan.forks
+        ]
+        seqs = [c.seq for c in plan.chunks] + [forked for _, forked in plan.forks]
+        sampling = self._sampling(seqs, num_seq_slots)
+        return StepInputs(
+            tokens, seq_ids, cu_q_lens, np.int32(len(plan.chunks)), sample_rows, sampling
+        )
+
+    def _fork_pending(self) -> None:
+        """Run the forks the scheduler queued (the samples that start after this step); the
+        samples of a fork the pool could not hold wait to be computed on their own."""
+        forks, self.scheduler.to_fork = self.scheduler.to_fork, []
+        oks = []
+        for src, samples in forks:
+            # Padded to max_seqs ids so that `fork_samples` compiles once.
+            dst = np.full(self.config.max_seqs, -1, np.int32)
+            dst[: len(samples)] = [s.slot for s in samples]
+            with self._calling():
+                self.kv_pages, self.pool, ok = fork_samples(
+                    self.kv_pages, self.pool, np.int32(src), dst
+                )
+            oks.append(ok)
+        for (_, samples), ok in zip(forks, jax.device_get(oks), strict=True):
+            if ok:
+                self.stats.forked_samples += len(samples)
+            else:
+                self.stats.failed_forks += 1
+                self.scheduler.on_failed_fork(samples)
+
+    def _pool_update(self, fn, *args) -> None:
+        """Run a pool update of the prefix cache (pool donated); its `ok` is read at the next
+        sync, by `_check_pool_updates`."""
+        with self._calling():
+            self.pool, ok = fn(self.pool, *args)
+        self._pool_oks.append(ok)
+
+    def _check_pool_updates(self) -> None:
+        oks, self._pool_oks = jax.device_get(self._pool_oks), []
+        if not all(oks):
+            raise RuntimeError(
+                "a prefix cache update was refused by the page pool: the scheduler's view of "
+                "the cached pages disagrees with the pool's"
+            )
+
+    def _page_ids(self, pages: list[int]) -> np.ndarray:
+        # Padded to num_pages ids so that `retain` and `drop` compile once.
+        ids = np.full(self.config.num_pages, -1, np.int32)
+        ids[: len(pages)] = pages
+        return ids
+
+    def _evict_and_attach(self) -> None:
+        """Drop the pages the scheduler evicted from the prefix cache, then start the admitted
+        requests on their cached pages."""
+        scheduler = self.scheduler
+        if scheduler.to_evict:
+            self.stats.prefix_evicted_pages += len(scheduler.to_evict)
+            self._pool_update(jaxpaged.drop, self._page_ids(scheduler.to_evict))
+            scheduler.to_evict.clear()
+        if scheduler.to_attach:
+            # Padded to max_seqs rows so that `attach` compiles once.
+            seq_ids = np.full(self.config.max_seqs, -1, np.int32)
+            rows = np.full((self.config.max_seqs, self.config.pages_per_seq), -1, np.int32)
+            kv_lens = np.zeros(self.config.max_seqs, np.int32)
+            for i, (slot, pages) in enumerate(scheduler.to_attach):
+                seq_ids[i], rows[i, : len(pages)] = slot, pages
+                kv_lens[i] = len(pages) * self.config.page_size
+            self._pool_update(jaxpaged.attach, seq_ids, rows, kv_lens)
+            scheduler.to_attach.clear()
+
+    def _retain_pending(self) -> None:
+        """Hold the pages the scheduler put in the prefix cache, before any slot is released."""
+        if self.scheduler.to_retain:
+            self._pool_update(jaxpaged.retain, self._page_ids(self.scheduler.to_retain))
+            self.scheduler.to_retain.clear()
 
     def _release_pending(self) -> None:
         # Padded to max_seqs ids so that `release` compiles once.
@@ -641,6 +793,10 @@ class Engine:
             if c.samples:
                 seq.output_logits.append(rows[-1])
             offset += c.length
+        for row, forked in plan.forks:
+            parent = plan.chunks[row].seq
+            forked.prompt_logits = parent.prompt_logits.copy()
+            forked.output_logits.append(parent.output_logits[-1])
 
     def _count(self, plan: Plan, elapsed: float) -> None:
         if all(c.is_decode for c in plan.chunks):

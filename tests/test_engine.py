@@ -17,7 +17,8 @@ import pytest
 
 import jaxpaged
 from models.config import CONFIGS, EngineConfig
-from models.engine import Engine
+from models.engine import Engine, fork_samples
+from models.prefix_cache import page_keys
 from models.scheduler import SamplingParams
 from tests.helpers import backend_params, count_compilations, require
 from tests.test_model import PAGE, _cached_kv, _check_pool, _model
@@ -209,9 +210,10 @@ def test_block_updates_pages_and_pool_in_place_and_compiles_once():
 
 
 def test_soak_random_requests_each_equal_to_running_alone():
-    """200 requests of random prompt lengths, max_new_tokens and stop tokens arrive while others
-    run, through a pool small enough to force preemptions; every one finishes with the greedy
-    output it has alone (computed once without stop tokens, then cut at the first stop)."""
+    """200 requests of random prompt lengths, max_new_tokens, stop tokens and 1 to 3 samples
+    arrive while others run, through a pool small enough to force preemptions; every sample
+    finishes with the greedy output the request has alone (computed once without stop tokens,
+    then cut at the first stop)."""
     rng = np.random.default_rng(7)
     num_requests = 200
     prompts = [_prompt(int(rng.integers(1, 60)), 1000 + i) for i in range(num_requests)]
@@ -222,10 +224,12 @@ def test_soak_random_requests_each_equal_to_running_alone():
         for p, n in zip(prompts, max_new, strict=True)
     ]
     params, expected = [], []
+    # Drawn from a generator of their own: the other draws stay those of the test without them.
+    num_samples = np.random.default_rng(8).choice([1, 1, 2, 3], num_requests).tolist()
     for out, n in zip(alone, max_new, strict=True):
         stops = (int(rng.choice(out)),) if rng.random() < 0.5 else ()
         stops += tuple(int(t) for t in rng.integers(0, VOCAB, int(rng.integers(0, 3))))
-        params.append(SamplingParams(int(n), stop_token_ids=stops))
+        params.append(SamplingParams(int(n), stop_token_ids=stops, n=int(num_samples.pop())))
         hits = [j for j, t in enumerate(out) if t in stops]
         expected.append(out[: hits[0] + 1] if hits else out)
     engine = _engine("xla", decode_steps=8, max_seqs=8, num_pages=14, max_model_len=96)
@@ -238,8 +242,11 @@ def test_soak_random_requests_each_equal_to_running_alone():
         engine.step()
     assert engine.scheduler.num_preemptions > 0 and engine.stats.cut_blocks > 0
     assert sum(s.finish_reason == "stop" for s in seqs.values()) > 20
+    assert engine.stats.forked_samples > 100 and engine.stats.failed_forks == 0
     for i, seq in seqs.items():
-        assert seq.finished and seq.output == expected[i], i
+        assert len(seq.samples) == params[i].n
+        for sample in seq.samples:
+            assert sample.finished and sample.output == expected[i], (i, sample.sample_index)
     assert np.asarray(engine.pool.free).all()
 
 
@@ -256,6 +263,8 @@ def test_soak_random_requests_each_equal_to_running_alone():
         (dict(seed=-1), "seed"),
         (dict(seed=2**32), "seed"),
         (dict(stop_token_ids=(3, -2)), "stop_token_ids"),
+        (dict(n=0), "n"),
+        (dict(n=2.0), "n"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(changes, name):
@@ -283,3 +292,407 @@ def test_engine_config_rejects_bad_block_sizes():
         EngineConfig(decode_steps=0)
     with pytest.raises(ValueError, match="max_stop_tokens"):
         EngineConfig(max_stop_tokens=0)
+
+
+# Requests of n samples: a prompt whose last page is partly filled (its copy per sample), one
+# that fills its pages (nothing copied) and a one-token prompt, next to a request of one sample.
+# The second request's seed wraps around: its sample 1 draws with seed 0.
+SHARED_PROMPTS = [_prompt(40, 11), _prompt(2 * PAGE, 12), _prompt(1, 13), _prompt(23, 14)]
+SHARED_PARAMS = {
+    False: [
+        SamplingParams(12, n=3),
+        SamplingParams(10, n=2),
+        SamplingParams(9, n=2),
+        SamplingParams(7),
+    ],
+    True: [
+        SamplingParams(12, 0.9, seed=5, n=3),
+        SamplingParams(10, 1.0, seed=2**32 - 1, top_k=20, n=2),
+        SamplingParams(9, 0.8, seed=9, top_p=0.9, n=2),
+        SamplingParams(7, 0.7, seed=1),
+    ],
+}
+
+
+def _separately(prompts, params) -> tuple[list, list]:
+    """Each sample of the requests as a request of its own (`SamplingParams.for_sample`)."""
+    pairs = [
+        (p, sp.for_sample(i)) for p, sp in zip(prompts, params, strict=True) for i in range(sp.n)
+    ]
+    return [p for p, _ in pairs], [sp for _, sp in pairs]
+
+
+def _all_samples(seqs):
+    return [sample for seq in seqs for sample in seq.samples]
+
+
+@functools.cache
+def _separate_reference(backend, sampled: bool):
+    """The samples of SHARED_PARAMS run as separate requests, per step, prompt logits recorded."""
+    engine = _engine(backend, decode_steps=None)
+    with jaxpaged.quiet_triton_deprecation():
+        return engine.generate(
+            *_separately(SHARED_PROMPTS, SHARED_PARAMS[sampled]), record_prompt_logits=True
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("mode", ["blocks", "steps", "steps-logits"])
+def test_n_samples_equal_separate_requests_with_derived_seeds(backend, sampled, mode):
+    """Sample i of a request of n samples and seed s gives what a request of one sample and
+    seed s + i gives: the same tokens, log-probabilities within 1e-5 and, recorded, float32
+    prompt and output logits within 1e-5, in decode blocks and in steps one at a time. The
+    prompt was computed once per request: its other samples started as forks."""
+    require(backend)
+    params = SHARED_PARAMS[sampled]
+    engine = _engine(backend, decode_steps=8 if mode == "blocks" else None)
+    with jaxpaged.quiet_triton_deprecation():
+        seqs = engine.generate(SHARED_PROMPTS, params, record_prompt_logits=mode == "steps-logits")
+    assert engine.stats.forked_samples == sum(p.n - 1 for p in params)
+    assert engine.stats.failed_forks == 0
+    assert engine.stats.prefill_tokens == sum(map(len, SHARED_PROMPTS))
+    for seq, p in zip(seqs, params, strict=True):
+        assert [s.sample_index for s in seq.samples] == list(range(p.n))
+        assert seq.samples[0] is seq and all(s.samples is seq.samples for s in seq.samples)
+        assert [s.params for s in seq.samples] == [p.for_sample(i) for i in range(p.n)]
+        if sampled:  # the seeds differ, so do the samples
+            assert len({tuple(s.output) for s in seq.samples}) == p.n
+    samples, refs = _all_samples(seqs), _separate_reference(backend, sampled)
+    _assert_same(samples, refs)
+    if mode == "steps-logits":
+        for seq, ref in zip(samples, refs, strict=True):
+            assert np.isfinite(seq.prompt_logits).all()
+            np.testing.assert_allclose(seq.prompt_logits, ref.prompt_logits, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(seq.output_logits, ref.output_logits, rtol=0, atol=1e-5)
+
+
+def _used_pages(engine: Engine) -> int:
+    return engine.config.num_pages - int(jaxpaged.num_free_pages(engine.pool))
+
+
+@pytest.mark.parametrize("prompt_len", [40, 2 * PAGE], ids=["partial-page", "full-pages"])
+def test_forked_samples_share_the_prompts_full_pages(prompt_len):
+    """After the fork each of the 4 samples lists the prompt's full pages, held once with a
+    refcount of the samples that run, and, where the prompt ends inside a page, a private copy
+    of that page; every sample's pages hold the prompt's K/V. The pool peaks at least 3 copies
+    of the shared pages below the peak of 4 separate requests."""
+    n, full = 4, prompt_len // PAGE
+    prompt, params = _prompt(prompt_len, 21), SamplingParams(20, 1.0, seed=3, n=4)
+    engine = _engine("xla", decode_steps=4)
+    seq = engine.add_request(prompt, params)
+    peak, checked = 0, False
+    while engine.has_work():
+        engine.step()
+        engine.sync()
+        peak = max(peak, _used_pages(engine))
+        assert _used_pages(engine) == engine.scheduler.num_held_pages()
+        running = [s for s in seq.samples if s.slot >= 0]
+        if engine.stats.forked_samples == 0 or not running:
+            continue
+        pool = jax.device_get(engine.pool)
+        shared = pool.page_indices[running[0].slot, :full]
+        for s in running:
+            np.testing.assert_array_equal(pool.page_indices[s.slot, :full], shared)
+        np.testing.assert_array_equal(pool.refcount[shared], len(running))
+        if not checked:  # right after the fork: every sample holds the prompt's K/V
+            assert len(running) == n and all(s.num_cached == prompt_len for s in running)
+            owned = [pool.num_owned[s.slot] for s in running]
+            assert owned == [-(-prompt_len // PAGE)] * n
+            if prompt_len % PAGE:
+                own = [pool.page_indices[s.slot, full] for s in running]
+                assert len(set(own)) == n and (pool.refcount[own] == 1).all()
+            for s in running[1:]:
+                for a, b in zip(_cached_kv(engine, s), _cached_kv(engine, seq), strict=True):
+                    np.testing.assert_array_equal(a, b)
+            checked = True
+    assert checked and engine.stats.forked_samples == n - 1
+    assert np.asarray(engine.pool.free).all()
+
+    separate = _engine("xla", decode_steps=4)
+    refs = [
+        separate.add_request(p, sp) for p, sp in zip(*_separately([prompt], [params]), strict=True)
+    ]
+    separate_peak = 0
+    while separate.has_work():
+        separate.step()
+        separate.sync()
+        separate_peak = max(separate_peak, _used_pages(separate))
+    assert peak <= separate_peak - (n - 1) * full
+    _assert_same(seq.samples, refs)
+
+
+def _run_checking_pool(engine: Engine, prompts, params):
+    """Run to completion, checking after every step or block that the pool is consistent and
+    that the scheduler counts the pages it holds (shared ones once)."""
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while engine.has_work():
+        engine.step()
+        engine.sync()
+        _check_pool(engine)
+        assert _used_pages(engine) == engine.scheduler.num_held_pages()
+    assert np.asarray(engine.pool.free).all()
+    return seqs
+
+
+SMALL_POOL_PROMPTS = [_prompt(n, 300 + n) for n in (30, 50, 12, 61, 44, 7)]
+SMALL_POOL_PARAMS = [
+    SamplingParams(24 + i % 5, 0.0 if i % 3 else 0.9, seed=i, n=1 + i % 4) for i in range(6)
+]
+
+
+@pytest.mark.parametrize("decode_steps", [None, 8], ids=["steps", "blocks"])
+def test_n_samples_on_a_small_pool_preempt_and_give_the_same_outputs(decode_steps):
+    """On a 12-page pool the requests wait for pages and slots and get preempted, before their
+    fork (all samples wait with sample 0) and after (one sample is recomputed alone); every
+    sample still gives what it gives as a request of its own on a large pool."""
+    engine = _engine("xla", num_pages=12, decode_steps=decode_steps, chunk_size=32)
+    seqs = _run_checking_pool(engine, SMALL_POOL_PROMPTS, SMALL_POOL_PARAMS)
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.forked_samples > 0
+    if decode_steps is None:
+        assert engine.stats.failed_steps == 0  # the scheduler's page counts are the pool's
+    refs = _generate(
+        _engine("xla", decode_steps=None, num_pages=200),
+        *_separately(SMALL_POOL_PROMPTS, SMALL_POOL_PARAMS),
+    )
+    _assert_same(_all_samples(seqs), refs)
+
+
+def test_a_fork_the_pool_cannot_hold_leaves_its_samples_to_recompute():
+    """A slot the scheduler does not know of holds 9 of the 12 pages, so the fork after the
+    prompt finds no page for its copies: it changes nothing, and its samples wait and compute
+    their prompts on their own (the steps that overbook the pool fail and preempt) and give
+    the same outputs."""
+    engine = _engine("xla", num_pages=12)
+    engine.scheduler.free_slots.remove(CONFIG.max_seqs - 1)
+    engine.pool, ok = jaxpaged.reserve(
+        engine.pool, jnp.asarray([CONFIG.max_seqs - 1]), jnp.asarray([9 * PAGE])
+    )
+    assert bool(ok)
+    prompt, params = _prompt(40, 41), SamplingParams(6, 0.8, seed=2, n=3)
+    [seq] = _generate(engine, [prompt], params)
+    assert engine.stats.failed_forks == 1 and engine.stats.forked_samples == 0
+    assert engine.stats.failed_steps > 0
+    _assert_same(seq.samples, _generate(_engine("xla"), *_separately([prompt], [params])))
+
+
+def test_samples_that_finish_with_their_first_token_are_not_forked():
+    """One new token each: no fork. A stop token that ends sample 0 at its first token: the
+    other samples still fork from its slot before it is released."""
+    prompt = _prompt(40, 31)
+    params = SamplingParams(10, 1.0, seed=17, n=3)
+    refs = _generate(_engine("xla"), *_separately([prompt], [params]))
+    firsts = [r.output[0] for r in refs]
+    assert firsts[0] not in firsts[1:]
+    engine = _engine("xla")
+    [one] = _generate(engine, [prompt], dataclasses.replace(params, max_new_tokens=1))
+    assert [s.output for s in one.samples] == [[t] for t in firsts]
+    assert engine.stats.forked_samples == 0 and np.asarray(engine.pool.free).all()
+    stopped = dataclasses.replace(params, stop_token_ids=(firsts[0],))
+    engine = _engine("xla")
+    [seq] = _run_checking_pool(engine, [prompt], [stopped])
+    assert seq.output == [firsts[0]] and seq.finish_reason == "stop"
+    assert engine.stats.forked_samples == 2
+    for sample, ref in zip(seq.samples[1:], refs[1:], strict=True):
+        stops = [j for j, t in enumerate(ref.output) if t == firsts[0]]
+        assert sample.output == ref.output[: stops[0] + 1 if stops else None]
+
+
+def test_fork_updates_pages_and_pool_in_place_and_compiles_once():
+    engine = _engine("xla", decode_steps=4)
+    _generate(engine, [_prompt(20, 1)], SamplingParams(3, n=2))  # warm-up: a fork
+    compiled = fork_samples.lower(
+        engine.kv_pages, engine.pool, np.int32(0), np.full(CONFIG.max_seqs, -1, np.int32)
+    ).compile()
+    state = jax.tree.leaves((engine.kv_pages, engine.pool))
+    assert compiled.memory_analysis().alias_size_in_bytes >= sum(x.nbytes for x in state)
+    old = engine.kv_pages[0][0]
+    with count_compilations() as compiles:
+        seqs = _generate(
+            engine,
+            [_prompt(n, n) for n in (3, 33, 16)],
+            [SamplingParams(5, n=4), SamplingParams(6, 0.5, n=3), SamplingParams(4, n=2)],
+        )
+    assert not compiles, f"{len(compiles)} compilations after warm-up"
+    assert old.is_deleted() and engine.stats.forked_samples == 1 + 3 + 2 + 1
+    assert [len(s.samples) for s in seqs] == [4, 3, 2]
+
+
+def test_for_sample_derives_the_seed_and_one_sample():
+    params = SamplingParams(5, 0.7, seed=2**32 - 2, top_k=3, n=4)
+    assert [params.for_sample(i).seed for i in range(4)] == [2**32 - 2, 2**32 - 1, 0, 1]
+    assert params.for_sample(2) == dataclasses.replace(params, seed=0, n=1)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        (dict(max_seqs=2), "SamplingParams.n=3 needs a slot per sample"),
+        (dict(num_pages=10), r"12 pages for the 145-token prompt"),
+    ],
+)
+def test_add_request_rejects_more_samples_than_slots_or_pages(changes, match):
+    with pytest.raises(ValueError, match=match):
+        _engine("xla", **changes).add_request([1] * 145, SamplingParams(4, n=3))
+
+
+def _check_cached_pool(engine: Engine) -> None:
+    """`_check_pool` with a prefix cache: each page's refcount is the slots that hold it plus
+    one where the cache holds it, and the scheduler counts the pool's used pages."""
+    pool = jax.device_get(engine.pool)
+    held = np.concatenate([pool.page_indices[s, :n] for s, n in enumerate(pool.num_owned)])
+    cached = [p in engine.scheduler.cache for p in range(pool.num_pages)]
+    np.testing.assert_array_equal(
+        pool.refcount, np.bincount(held, minlength=pool.num_pages) + cached
+    )
+    for seq in engine.scheduler.running:
+        assert pool.kv_lens[seq.slot] == seq.num_cached
+        assert pool.num_owned[seq.slot] == -(-seq.num_cached // PAGE)
+    assert _used_pages(engine) == engine.scheduler.num_held_pages()
+
+
+def _cached_engine(backend="xla", **changes) -> Engine:
+    return _engine(backend, prefix_caching=True, **changes)
+
+
+def _run_checking_cached_pool(engine: Engine, prompts, params, *, record: bool = False):
+    """Run to completion, checking the pool after every step or block (`_check_cached_pool`).
+    Returns the sequences and, by sequence id, its page table row after its first step."""
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    first_rows = {}
+    with jaxpaged.quiet_triton_deprecation():
+        while engine.has_work():
+            engine.step(record_prompt_logits=record)
+            engine.sync()
+            _check_cached_pool(engine)
+            table = np.asarray(engine.pool.page_indices)
+            for s in engine.scheduler.running:
+                first_rows.setdefault(s.id, table[s.slot].tolist())
+    return seqs, first_rows
+
+
+def _run_recording(engine: Engine, prompts, params):
+    with jaxpaged.quiet_triton_deprecation():
+        return engine.generate(prompts, params, record_prompt_logits=True)
+
+
+BASE_PROMPT = _prompt(40, 51)  # two full pages and 8 tokens
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefix_cache_reuses_the_full_pages_of_a_prompts_prefix(backend):
+    """One request at a time (steps one by one, prompt logits recorded): each prompt's full
+    pages go to the cache; a prompt that starts with the same tokens starts on them, computes
+    only the rest and gives what it gives without the cache. A page is keyed by its whole
+    prefix: the same tokens after another first page miss. A prompt that is all cached pages
+    still computes its last page, for its last token's logits."""
+    cases = [  # prompt, pages looked up, pages found
+        (BASE_PROMPT, 2, 0),
+        (BASE_PROMPT + _prompt(30, 52), 4, 2),  # extends it: its two full pages hit
+        (_prompt(PAGE, 53) + BASE_PROMPT[PAGE:], 2, 0),  # page 2 alike, page 1 not
+        (BASE_PROMPT[: 2 * PAGE], 1, 1),  # page-aligned: the second page is computed again
+        (BASE_PROMPT, 2, 2),
+    ]
+    require(backend)
+    engine = _cached_engine(backend, decode_steps=None)
+    plain = _engine(backend, decode_steps=None)
+    for prompt, queried, hits in cases:
+        params = SamplingParams(6, 0.8, seed=len(prompt))
+        stats = dataclasses.replace(engine.stats)
+        cached = engine.scheduler.cache.match(page_keys(prompt, PAGE)[:hits])
+        [seq], first_rows = _run_checking_cached_pool(engine, [prompt], [params], record=True)
+        assert engine.stats.prefix_queried_pages - stats.prefix_queried_pages == queried
+        assert engine.stats.prefix_hit_pages - stats.prefix_hit_pages == hits
+        assert engine.stats.prefill_tokens - stats.prefill_tokens == len(prompt) - hits * PAGE
+        assert first_rows[seq.id][:hits] == cached
+        [ref] = _run_recording(plain, [prompt], [params])
+        _assert_same([seq], [ref])
+        start = hits * PAGE  # positions taken from the cache have no logits
+        assert np.isnan(seq.prompt_logits[:start]).all()
+        np.testing.assert_allclose(
+            seq.prompt_logits[start:], ref.prompt_logits[start:], rtol=0, atol=1e-5
+        )
+        np.testing.assert_allclose(seq.output_logits, ref.output_logits, rtol=0, atol=1e-5)
+    assert engine.stats.prefix_hit_rate == 5 / 11
+    # The pool holds only the cached pages: every prompt's full pages, once per prefix.
+    assert engine.scheduler.cache.num_pages == 2 + 2 + 2
+    assert _used_pages(engine) == 6
+
+
+def test_prefix_cache_evicts_the_least_recently_used_idle_pages():
+    """On a 10-page pool, three finished 49-token prompts leave 9 idle cached pages; a new
+    prompt that needs 3 pages evicts the two least recently used, the deepest pages of the
+    oldest prompt first, so that its first page still hits and the other prompts all do."""
+    prompts = [_prompt(3 * PAGE + 1, 60 + i) for i in range(3)]
+    engine = _cached_engine(num_pages=10)
+    for prompt in prompts:
+        _run_checking_cached_pool(engine, [prompt], [SamplingParams(4)])
+    cache = engine.scheduler.cache
+    assert cache.num_pages == cache.num_idle == 9 and engine.stats.prefix_evicted_pages == 0
+    _run_checking_cached_pool(engine, [_prompt(2 * PAGE + 1, 63)], [SamplingParams(4)])
+    assert engine.stats.prefix_evicted_pages == 2
+    assert [len(cache.match(page_keys(p, PAGE))) for p in prompts] == [1, 3, 3]
+    [seq], _ = _run_checking_cached_pool(engine, prompts[:1], [SamplingParams(4)])
+    assert engine.stats.prefix_hit_pages == 1
+    _assert_same([seq], _generate(_engine("xla"), prompts[:1], SamplingParams(4)))
+
+
+# Requests of up to 3 samples whose prompts start with one of three prefixes, cut at various
+# lengths (some page-aligned), with their own tails.
+_rng = np.random.default_rng(0)
+_PREFIXES = [_prompt(n, 500 + n) for n in (20, 35, 50)]
+CACHED_PROMPTS = [
+    p[: int(_rng.integers(len(p) // 2, len(p) + 1))] + _prompt(int(_rng.integers(0, 20)), 900 + i)
+    for i, p in enumerate(_PREFIXES[k] for k in _rng.integers(0, 3, 24))
+]
+CACHED_PARAMS = [
+    SamplingParams(int(_rng.integers(4, 20)), 0.0 if i % 2 else 0.8, seed=i, n=int(n))
+    for i, n in enumerate(_rng.choice([1, 1, 2, 3], 24))
+]
+
+
+@functools.cache
+def _uncached_reference():
+    return _generate(
+        _engine("xla", decode_steps=None, num_pages=200), CACHED_PROMPTS, CACHED_PARAMS
+    )
+
+
+@pytest.mark.parametrize("decode_steps", [None, 8], ids=["steps", "blocks"])
+def test_prefix_cache_on_a_small_pool_evicts_and_preempts_and_changes_no_output(decode_steps):
+    """24 requests (38 samples) through a 10-page pool: prefixes hit, idle pages are evicted,
+    sequences preempted (and recomputed from the cache), n-sample requests fork from cached
+    prompts; after every step the pool and the scheduler agree, and every sample gives what it
+    gives without the cache."""
+    engine = _cached_engine(num_pages=10, decode_steps=decode_steps, chunk_size=32)
+    seqs, _ = _run_checking_cached_pool(engine, CACHED_PROMPTS, CACHED_PARAMS)
+    stats = engine.stats
+    assert stats.prefix_hit_pages > 10 and stats.prefix_evicted_pages > 10
+    assert engine.scheduler.num_preemptions > 0 and stats.forked_samples > 10
+    if decode_steps is None:
+        assert stats.failed_steps == 0
+    _assert_same(_all_samples(seqs), _all_samples(_uncached_reference()))
+
+
+def test_prefix_cache_recovers_when_the_scheduler_overbooks_the_pool():
+    """With a scheduler that believes the pool is endless, steps fail on a pool full of cached
+    pages; the engine evicts them, preempts and retries, and every sample is still right."""
+    engine = _cached_engine(num_pages=10, chunk_size=32)
+    engine.scheduler.num_pages = 10**6
+    seqs = _generate(engine, CACHED_PROMPTS, CACHED_PARAMS)
+    assert engine.stats.failed_steps > 0 and engine.stats.prefix_hit_pages > 0
+    _assert_same(_all_samples(seqs), _all_samples(_uncached_reference()))
+
+
+def test_prefix_cache_updates_compile_once():
+    engine = _cached_engine(num_pages=10)
+    # Warm-up as in the eviction test (prompts cached, one that evicts, one that hits), and
+    # a fork.
+    cached = [_prompt(3 * PAGE + 1, 60 + i) for i in range(3)]
+    for prompt in [*cached, _prompt(2 * PAGE + 1, 63), cached[0]]:
+        _generate(engine, [prompt], SamplingParams(4))
+    _generate(engine, [_prompt(5, 64)], SamplingParams(3, n=2))
+    assert engine.stats.prefix_hit_pages and engine.stats.prefix_evicted_pages
+    with count_compilations() as compiles:
+        _generate(engine, CACHED_PROMPTS[6:12], CACHED_PARAMS[6:12])
+    assert not compiles, f"{len(compiles)} compilations after warm-up"

@@ -1,6 +1,8 @@
-"""Property tests of the page pool against a plain Python model of page ownership and sharing,
-and of the K/V that forked sequences read through it."""
+"""Property tests of the page pool against a plain Python model of page ownership and sharing
+(slots, forks, pages attached and pages retained without a slot), and of the K/V that forked
+sequences read through it."""
 
+import collections
 import itertools
 
 import jax
@@ -49,21 +51,126 @@ def fork_op(lens) -> st.SearchStrategy:
     return st.one_of(any_fork, st.tuples(st.just("fork"), st.sampled_from(active), into_empty))
 
 
+def _full_pages(model) -> list[list[int]]:
+    """Runs of held full pages: each slot's full pages, and the retained ones."""
+    runs = [
+        [model.page[name] for name in row[: n // PAGE_SIZE]]
+        for row, n in zip(model.rows, model.lens, strict=True)
+    ]
+    return [*runs, [model.page[name] for name in model.retained][:PAGES_PER_SEQ]]
+
+
+def retain_op(model) -> st.SearchStrategy:
+    """Any ids (held, free, out of range, padding; most are refused), and full held pages."""
+    held = sorted(model.page[name] for name in model.live())
+    free = sorted(set(range(NUM_PAGES)) - set(held))
+    any_ids = st.lists(st.sampled_from([-1, NUM_PAGES, *held, *free[:1]]), min_size=N, max_size=N)
+    full = sorted({p for run in _full_pages(model) for p in run})
+    full_ids = st.lists(st.sampled_from([-1, *full]), min_size=N, max_size=N)
+    return st.tuples(st.just("retain"), st.one_of(any_ids, full_ids))
+
+
+def drop_op(model) -> st.SearchStrategy:
+    """Some of the retained holds (valid), or with a free or out-of-range id (refused)."""
+    retained = [model.page[name] for name in model.retained]
+    held = {model.page[name] for name in model.live()}
+    bad = [NUM_PAGES, *sorted(set(range(NUM_PAGES)) - held)[:1]]
+
+    def ids(holds, extra):
+        return (holds[:N] + extra + [-1] * N)[:N]
+
+    some = st.permutations(retained).flatmap(
+        lambda holds: st.integers(0, min(N, len(holds))).map(lambda n: holds[:n])
+    )
+    return st.tuples(
+        st.just("drop"),
+        st.builds(ids, some, st.one_of(st.just([]), st.sampled_from(bad).map(lambda b: [b]))),
+    )
+
+
+def attach_op(model) -> st.SearchStrategy:
+    """Rows of any slot id, a run of held full pages and its length or a length that is not
+    page-aligned (most are refused), and one row into an empty slot with padding around it."""
+    prefix = st.sampled_from(_full_pages(model)).flatmap(
+        lambda run: st.integers(0, len(run)).map(lambda k: run[:k])
+    )
+    any_row = st.tuples(st.integers(-1, MAX_SEQS), prefix, st.integers(0, 2)).map(
+        lambda r: (r[0], r[1], len(r[1]) * PAGE_SIZE + (r[2] == 2))
+    )
+    any_rows = st.lists(any_row, min_size=N, max_size=N)
+    empty = [s for s, n in enumerate(model.lens) if n == 0]
+    if not empty:
+        return st.tuples(st.just("attach"), any_rows)
+    one_row = st.builds(
+        lambda d, pages, i: (
+            [(-1, [], 0)] * i + [(d, pages, len(pages) * PAGE_SIZE)] + [(-1, [], 0)] * (N - 1 - i)
+        ),
+        st.sampled_from(empty),
+        prefix,
+        st.integers(0, N - 1),
+    )
+    return st.tuples(st.just("attach"), st.one_of(any_rows, one_row))
+
+
 def _pages(num_tokens: int) -> int:
     return -(-num_tokens // PAGE_SIZE)
 
 
 class Model:
-    """Each slot's length and its pages as names: two slots hold one page where they hold one
-    name. Which pool page a name is, the model leaves to the pool."""
+    """Each slot's length and its pages as names, and the names retained without a slot: two
+    holders hold one page where they hold one name. Which pool page a name is, the model
+    leaves to the pool (`bind` reads it after each call; a name keeps its page)."""
 
     def __init__(self):
         self.lens = [0] * MAX_SEQS
         self.rows: list[list[int]] = [[] for _ in range(MAX_SEQS)]
+        self.retained: list[int] = []
+        self.page: dict[int, int] = {}
         self._names = itertools.count()
 
+    def live(self) -> set[int]:
+        return {name for row in self.rows for name in row} | set(self.retained)
+
     def num_free(self) -> int:
-        return NUM_PAGES - len({name for row in self.rows for name in row})
+        return NUM_PAGES - len(self.live())
+
+    def bind(self, pool) -> None:
+        table = np.asarray(pool.page_indices)
+        for s, row in enumerate(self.rows):
+            for j, name in enumerate(row):
+                assert self.page.setdefault(name, int(table[s, j])) == table[s, j], "page moved"
+
+    def name_of(self, page: int) -> int | None:
+        return next((n for n in self.live() if self.page[n] == page), None)
+
+    def retain(self, ids) -> bool:
+        names = [self.name_of(i) for i in ids if i >= 0]
+        partial = {row[-1] for row, n in zip(self.rows, self.lens, strict=True) if n % PAGE_SIZE}
+        if None in names or partial & set(names):
+            return False
+        self.retained += names
+        return True
+
+    def drop(self, ids) -> bool:
+        names = [self.name_of(i) for i in ids if i >= 0]
+        if None in names or collections.Counter(names) - collections.Counter(self.retained):
+            return False
+        for name in names:
+            self.retained.remove(name)
+        return True
+
+    def attach(self, rows) -> bool:
+        live = [(d, pages, n) for d, pages, n in rows if d >= 0]
+        dsts = [d for d, _, _ in live]
+        valid = len(set(dsts)) == len(dsts) and all(
+            d < MAX_SEQS and self.lens[d] == 0 and n % PAGE_SIZE == 0 for d, _, n in live
+        )
+        names = [[self.name_of(p) for p in pages] for _, pages, _ in live]
+        if not valid or any(None in row for row in names):
+            return False
+        for (d, _, n), row in zip(live, names, strict=True):
+            self.lens[d], self.rows[d] = n, row
+        return True
 
     def reserve(self, ids, new_lens) -> bool:
         want, valid = list(self.lens), True
@@ -122,6 +229,8 @@ def _check(pool, model: Model) -> None:
             assert name_of.setdefault(page, name) == name, "unshared pages got one pool page"
             holders[page] += 1
     assert len(set(name_of.values())) == len(name_of), "a shared page got two pool pages"
+    for name in model.retained:
+        holders[model.page[name]] += 1
     # Refcounts are the holders: no page is free while held, none is held by nobody (leaked).
     np.testing.assert_array_equal(refcount, holders)
     assert int(jaxpaged.num_free_pages(pool)) == model.num_free()
@@ -143,7 +252,16 @@ def test_pool_matches_model(data):
     pool = jaxpaged.create_pool(NUM_PAGES, PAGE_SIZE, MAX_SEQS, PAGES_PER_SEQ)
     model = Model()
     for _ in range(data.draw(st.integers(1, 14), label="num_ops")):
-        op = data.draw(st.one_of(reserve_op, fork_op(model.lens), release_op))
+        op = data.draw(
+            st.one_of(
+                reserve_op,
+                fork_op(model.lens),
+                release_op,
+                retain_op(model),
+                drop_op(model),
+                attach_op(model),
+            )
+        )
         before = jax.tree.map(np.array, pool)
         if op[0] == "reserve":
             _, ids, new_lens = op
@@ -163,12 +281,29 @@ def test_pool_matches_model(data):
                     if d >= 0:
                         want[:, i] = pool.page_indices[src, last], pool.page_indices[d, last]
             np.testing.assert_array_equal(np.asarray(copies), want)
+        elif op[0] in ("retain", "drop"):
+            _, ids = op
+            pool, ok = getattr(jaxpaged, op[0])(pool, jnp.array(ids, jnp.int32))
+            assert bool(ok) == getattr(model, op[0])(ids)
+        elif op[0] == "attach":
+            _, rows = op
+            table = np.full((N, PAGES_PER_SEQ), -1, np.int32)
+            for i, (_, pages, _) in enumerate(rows):
+                table[i, : len(pages)] = pages
+            pool, ok = jaxpaged.attach(
+                pool,
+                jnp.array([d for d, _, _ in rows], jnp.int32),
+                jnp.asarray(table),
+                jnp.array([n for _, _, n in rows], jnp.int32),
+            )
+            assert bool(ok) == model.attach(rows)
         else:
             _, ids = op
             pool, ok = jaxpaged.release(pool, jnp.array(ids, jnp.int32)), True
             model.release(ids)
         if not ok:
             _assert_unchanged(pool, before)  # a refused request changes nothing
+        model.bind(pool)
         _check(pool, model)
 
 
@@ -312,6 +447,62 @@ def test_release_frees_a_shared_page_when_its_last_holder_goes():
     assert np.asarray(pool.free).all()
 
 
+def test_retained_pages_outlive_their_slot_and_attach_to_new_ones():
+    """A prefix cache's life cycle: a slot's full pages are retained (its partly filled last
+    page cannot be), outlive the slot, start two new slots, and are free once dropped."""
+    pool = jaxpaged.create_pool(8, 4, 3, 4)
+    pool, _ = jaxpaged.reserve(pool, jnp.array([0]), jnp.array([10]))
+    pages = np.asarray(pool.page_indices[0, :3])
+    pool, ok = jaxpaged.retain(pool, jnp.array([pages[2], -1]))
+    assert not ok
+    pool, ok = jaxpaged.retain(pool, jnp.asarray(pages[:2]))
+    assert ok
+    pool = jaxpaged.release(pool, jnp.array([0]))
+    np.testing.assert_array_equal(np.asarray(pool.refcount)[pages], [1, 1, 0])
+    rows = np.full((3, 4), -1, np.int32)
+    rows[0, :2], rows[1, :1] = pages[:2], pages[:1]
+    pool, ok = jaxpaged.attach(pool, jnp.array([1, 2, -1]), jnp.asarray(rows), jnp.array([8, 4, 0]))
+    assert ok
+    np.testing.assert_array_equal(np.asarray(pool.refcount)[pages[:2]], [3, 2])
+    np.testing.assert_array_equal(np.asarray(pool.kv_lens), [0, 8, 4])
+    np.testing.assert_array_equal(np.asarray(pool.num_owned), [0, 2, 1])
+    np.testing.assert_array_equal(np.asarray(pool.page_indices[1]), [*pages[:2], -1, -1])
+    # Their next tokens go to fresh pages of their own.
+    pool, ok = jaxpaged.reserve(pool, jnp.array([1, 2]), jnp.array([9, 5]))
+    assert ok and int(pool.page_indices[1, 2]) != int(pool.page_indices[2, 1])
+    assert int(jaxpaged.num_free_pages(pool)) == 4
+    pool = jaxpaged.release(pool, jnp.array([1, 2]))
+    pool, ok = jaxpaged.drop(pool, jnp.asarray(pages[:2]))
+    assert ok and np.asarray(pool.free).all()
+    before = jax.tree.map(np.array, pool)
+    pool, ok = jaxpaged.drop(pool, jnp.asarray(pages[:1]))  # no holder left to drop
+    assert not ok
+    _assert_unchanged(pool, before)
+
+
+@pytest.mark.parametrize(
+    ("seq_ids", "kv_lens", "why"),
+    [
+        ([0, -1], [4, 0], "active slot"),
+        ([1, 1], [4, 4], "repeated slot"),
+        ([3, -1], [4, 0], "slot out of range"),
+        ([1, -1], [6, 0], "length not page-aligned"),
+        ([1, -1], [8, 0], "second page free"),
+    ],
+)
+def test_bad_attach_is_a_no_op(seq_ids, kv_lens, why):
+    pool = jaxpaged.create_pool(8, 4, 3, 4)
+    pool, _ = jaxpaged.reserve(pool, jnp.array([0]), jnp.array([6]))
+    rows = np.full((2, 4), -1, np.int32)
+    rows[:, 0], rows[:, 1] = int(pool.page_indices[0, 0]), 7  # page 7 is free
+    before = jax.tree.map(np.array, pool)
+    pool, ok = jaxpaged.attach(
+        pool, jnp.array(seq_ids), jnp.asarray(rows), jnp.array(kv_lens, jnp.int32)
+    )
+    assert not ok, why
+    _assert_unchanged(pool, before)
+
+
 def _bad_fork_pool():
     """Slot 0 holds 6 tokens, slot 3 holds 2; slots 1 and 2 are empty."""
     pool = jaxpaged.create_pool(12, 4, 4, 4)
@@ -385,6 +576,9 @@ def test_pool_is_donated():
         jaxpaged.reserve: (jnp.array([0]), jnp.array([5])),
         jaxpaged.fork: (jnp.int32(0), jnp.array([1])),
         jaxpaged.release: (jnp.array([0]),),
+        jaxpaged.attach: (jnp.array([1]), jnp.zeros((1, 3), jnp.int32), jnp.array([4])),
+        jaxpaged.retain: (jnp.array([0]),),
+        jaxpaged.drop: (jnp.array([0]),),
     }
     for fn, rest in args.items():
         compiled = fn.lower(pool, *rest).compile()

@@ -17,6 +17,7 @@ def test_readme_example_runs():
     assert bool(namespace["ok"])
     assert namespace["y"].shape == (15, 256) and bool(namespace["reserved"])
     assert [len(o) for o in namespace["outputs"]] == [8, 8]
+    assert [len(o) for o in namespace["samples"]] == [8, 8, 8]
 
 
 def test_backend_table_is_the_dispatch_table():

@@ -179,3 +179,14 @@ def test_checkpoint_is_placed_on_the_mesh(tmp_path):
         [seq] = engine.generate([prompt], SamplingParams(1), record_prompt_logits=True)
         outs.append(seq.prompt_logits)
     np.testing.assert_allclose(outs[1], outs[0], atol=F32_LOGIT_TOL)
+
+
+def test_n_samples_on_a_mesh():
+    """The forks of n-sample requests (pages split by KV head) give one device's samples."""
+    params = SamplingParams(8, 0.9, seed=4, n=3)
+    ref = _engine(None).generate(PROMPTS, params)
+    split = _engine(2)
+    seqs = split.generate(PROMPTS, params)
+    assert split.stats.forked_samples == 2 * len(PROMPTS)
+    for seq, want in zip(seqs, ref, strict=True):
+        assert [s.output for s in seq.samples] == [s.output for s in want.samples]
