@@ -181,6 +181,7 @@ def test_checkpoint_is_placed_on_the_mesh(tmp_path):
     np.testing.assert_allclose(outs[1], outs[0], atol=F32_LOGIT_TOL)
 
 
+@needs_host_devices
 def test_n_samples_on_a_mesh():
     """The forks of n-sample requests (pages split by KV head) give one device's samples."""
     params = SamplingParams(8, 0.9, seed=4, n=3)
