@@ -4,6 +4,8 @@ Ops (one layer's page pool `k_pages, v_pages [P, page_size, Hkv, D]`):
   ragged_paged_attention  prefill, chunked prefill and decode tokens in one ragged batch
   paged_decode_attention  one token per sequence, split-KV
   append_kv               write a step's new K/V into the pages
+  kv_slots, write_kv      the same in two parts: the tokens' pool slots once per step, then
+                          one plain scatter per layer
   copy_pages              copy whole pages (a forked sequence's private last page)
   merge_attention_states  combine attention over two disjoint key sets
 State: PagePool with create_pool / reserve / fork / attach / release / batch_metadata (pages
@@ -22,7 +24,7 @@ from jaxpaged.attention import (
     resolve_implementation,
 )
 from jaxpaged.batch import validate_batch
-from jaxpaged.kv_cache import append_kv, copy_pages
+from jaxpaged.kv_cache import append_kv, copy_pages, kv_slots, write_kv
 from jaxpaged.layers import (
     TP_AXIS,
     PagedAttention,
@@ -64,6 +66,7 @@ __all__ = [
     "drop",
     "fork",
     "fuse_qkv",
+    "kv_slots",
     "merge_attention_states",
     "num_free_pages",
     "paged_decode_attention",
@@ -78,5 +81,6 @@ __all__ = [
     "resolve_implementation",
     "validate_batch",
     "validate_fork",
+    "write_kv",
 ]
 __version__ = "0.1.0"

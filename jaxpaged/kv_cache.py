@@ -35,17 +35,35 @@ def append_kv(
       `kv_lens[s] - q_len + i`; padding tokens, and tokens whose position or page id falls
       outside the page table or the pool, write nothing.
     """
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"k and v must have shape [T, Hkv={num_kv_heads}, D={head_dim}]; "
-            f"got {k.shape}, {v.shape}"
-        )
-    if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
-        raise TypeError(
-            f"k and v must have the pages' dtype {k_pages.dtype}; got {k.dtype}, {v.dtype}"
-        )
-    num_tokens = k.shape[0]
+    num_pages, page_size = k_pages.shape[:2]
+    slots = kv_slots(
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        num_tokens=k.shape[0],
+        num_pages=num_pages,
+        page_size=page_size,
+    )
+    return write_kv(k_pages, v_pages, k, v, slots)
+
+
+def kv_slots(
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    num_tokens: int,
+    num_pages: int,
+    page_size: int,
+) -> jax.Array:
+    """i32[T]: the slot `page * page_size + offset` of the pool that each of a step's tokens is
+    written to (`append_kv`'s rule), or -1 for a token that writes nothing.
+
+    The slots are the same for every layer: a step computes them once (`StepMetadata`) and each
+    layer's `write_kv` is then a plain scatter.
+    """
     pages_per_seq = page_indices.shape[1]
     meta = sanitize_metadata(
         kv_lens,
@@ -61,13 +79,37 @@ def append_kv(
     # Read the raw page id: clamping a bad one would redirect the write into another page.
     page = page_indices[seq, jnp.clip(page_slot, 0, pages_per_seq - 1)]
     ok = live & (pos >= 0) & (page_slot < pages_per_seq) & (page >= 0) & (page < num_pages)
-    # Live tokens of a pool's sequences never share a slot: positions differ within a sequence,
-    # and a page that receives tokens is held by their sequence alone.
-    flat = page * page_size + pos % page_size
+    return jnp.where(ok, page * page_size + pos % page_size, -1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def write_kv(
+    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Write token t's K/V into pool slot `slots[t]` (`kv_slots`); -1, or any slot outside the
+    pool, writes nothing. Pages are donated; returns the updated `(k_pages, v_pages)`.
+
+    The slots of live tokens must be distinct, as `kv_slots` gives them for a pool's sequences:
+    positions differ within a sequence, and a page that receives tokens is held by its
+    sequence alone. Where they repeat (bad metadata), one of the writes wins.
+    """
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"k and v must have shape [T, Hkv={num_kv_heads}, D={head_dim}]; "
+            f"got {k.shape}, {v.shape}"
+        )
+    if k.dtype != k_pages.dtype or v.dtype != v_pages.dtype:
+        raise TypeError(
+            f"k and v must have the pages' dtype {k_pages.dtype}; got {k.dtype}, {v.dtype}"
+        )
+    if slots.shape != k.shape[:1] or jnp.dtype(slots.dtype) != jnp.int32:
+        raise ValueError(f"slots must be i32[T={k.shape[0]}]; got {slots.dtype}{list(slots.shape)}")
+    ok = (slots >= 0) & (slots < num_pages * page_size)
     shape = (num_pages * page_size, num_kv_heads, head_dim)
 
     def write(pages, new):
-        return _set_rows(pages.reshape(shape), flat, ok, new).reshape(pages.shape)
+        return _set_rows(pages.reshape(shape), slots, ok, new).reshape(pages.shape)
 
     return write(k_pages, k), write(v_pages, v)
 

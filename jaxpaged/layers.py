@@ -20,13 +20,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.attention import paged_decode_attention, ragged_paged_attention
-from jaxpaged.kv_cache import append_kv
+from jaxpaged.kv_cache import append_kv, kv_slots, write_kv
 from jaxpaged.reference import token_positions
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("kv_lens", "page_indices", "cu_q_lens", "num_seqs", "positions"),
+    data_fields=("kv_lens", "page_indices", "cu_q_lens", "num_seqs", "positions", "kv_slots"),
     meta_fields=("decode",),
 )
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,8 @@ class StepMetadata:
     cu_q_lens: i32[S+1], sequence s owns tokens `cu_q_lens[s]:cu_q_lens[s+1]`.
     num_seqs: i32[], live sequences; rows from `num_seqs` on are padding.
     positions: i32[T], the position `kv_len - q_len + i` of every token (0 for padding).
+    kv_slots: i32[T], the pool slot each token's K/V is written to (`jaxpaged.kv_slots`), or
+      None: each layer then computes them again (`append_kv`).
     decode: every live sequence has exactly one token and token s belongs to sequence s
       (T == S); the layer then calls the split-KV `paged_decode_attention`.
     """
@@ -47,6 +49,7 @@ class StepMetadata:
     cu_q_lens: jax.Array
     num_seqs: jax.Array
     positions: jax.Array
+    kv_slots: jax.Array | None = None
     decode: bool = False
 
     @classmethod
@@ -59,8 +62,11 @@ class StepMetadata:
         *,
         num_tokens: int,
         decode: bool = False,
+        pool_shape: tuple[int, int] | None = None,
     ) -> StepMetadata:
-        """Metadata for a ragged batch of `num_tokens` tokens; computes the token positions.
+        """Metadata for a ragged batch of `num_tokens` tokens; computes the token positions and,
+        given the pool's `pool_shape` (num_pages, page_size), the slots every layer writes the
+        tokens' K/V to (once for all layers, instead of once per layer).
 
         Entries past `num_seqs` may hold anything: they are masked here, so that a padding row
         never moves a live token's position and the decode op sees it as an inactive slot
@@ -76,7 +82,23 @@ class StepMetadata:
         kv_lens = jnp.where(jnp.arange(num_seq_slots) < n, kv_lens, 0)
         cu_q_lens = jnp.where(jnp.arange(num_seq_slots + 1) <= n, cu_q_lens, cu_q_lens[n])
         _, pos, live = token_positions(cu_q_lens, kv_lens, num_tokens)
-        return cls(kv_lens, page_indices, cu_q_lens, n, jnp.where(live, pos, 0), decode)
+        slots = None
+        if pool_shape is not None:
+            num_pages, page_size = pool_shape
+            slots = kv_slots(
+                kv_lens,
+                page_indices,
+                cu_q_lens,
+                n,
+                num_tokens=num_tokens,
+                num_pages=num_pages,
+                page_size=page_size,
+            )
+            # Computed once: without the barrier XLA fuses the whole computation (a cummax,
+            # a [T, S] comparison, page lookups) into every layer's K and V scatter, where
+            # every element of the update recomputes its row's slot.
+            slots = jax.lax.optimization_barrier(slots)
+        return cls(kv_lens, page_indices, cu_q_lens, n, jnp.where(live, pos, 0), slots, decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,16 +320,19 @@ class PagedAttention(nnx.Module):
 def _attend(q, k, v, k_pages, v_pages, meta, *, sliding_window, implementation):
     """Append one layer's new K/V to its pages and attend: (out [T, Hq, D], k_pages, v_pages).
     Under tensor parallelism it runs on each device's heads (`shard_map`)."""
-    k_pages, v_pages = append_kv(
-        k_pages,
-        v_pages,
-        k,
-        v,
-        meta.kv_lens,
-        meta.page_indices,
-        meta.cu_q_lens,
-        meta.num_seqs,
-    )
+    if meta.kv_slots is not None:
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.kv_slots)
+    else:
+        k_pages, v_pages = append_kv(
+            k_pages,
+            v_pages,
+            k,
+            v,
+            meta.kv_lens,
+            meta.page_indices,
+            meta.cu_q_lens,
+            meta.num_seqs,
+        )
     if meta.decode:
         out = paged_decode_attention(
             q,

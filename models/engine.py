@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -105,7 +106,13 @@ def _forward(graphdef, params, kv_pages, pool, tokens, seq_ids, cu_q_lens, num_s
     # writing them would overwrite the sequences' last cached tokens: run with no sequences.
     num_seqs = jnp.where(ok, num_seqs, 0)
     meta = jaxpaged.StepMetadata.build(
-        kv_lens, page_indices, cu_q_lens, num_seqs, num_tokens=num_tokens, decode=decode
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        num_tokens=num_tokens,
+        decode=decode,
+        pool_shape=kv_pages[0][0].shape[:2],
     )
     model = nnx.merge(graphdef, params)
     hidden, kv_pages = model(tokens, kv_pages, meta, implementation=implementation)
@@ -237,30 +244,30 @@ def fork_samples(
 # less time than their launches, gain (with a minimum graph size of 1: every run of compatible
 # kernels one graph); steps of more than 512 tokens lose, their kernels being long enough to
 # hide the launches. Command buffers also take while loops and conditionals (CUDA graph
-# conditional nodes), so that a decode block's loop runs with no host round trip per step.
-# The measurements behind these rules: benchmarks/NOTES.md, "End to end" and "Session 8".
+# conditional nodes), so that a decode block's loop runs with no host round trip per step, but
+# only when every command inside the loop can be recorded: XLA sorts rows of 32k logits for
+# top-k / top-p of 64 rows with CUB's radix sort, a custom call a command buffer does not take,
+# which left the whole loop to the host (one predicate read and relaunch per step); its own
+# sort kernels stay in the graph. The measurements behind these rules: benchmarks/NOTES.md,
+# "End to end", "Session 8" and "Session 10".
 COMMAND_BUFFER_MAX_TOKENS = 512
 COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 SMALL_STEP_XLA_OPTIONS = (
     ("xla_gpu_graph_min_graph_size", 1),
     ("xla_gpu_enable_command_buffer", COMMAND_BUFFER_TYPES),
+    ("xla_gpu_enable_cub_radix_sort", False),
 )
 LARGE_STEP_XLA_OPTIONS = (("xla_gpu_enable_command_buffer", ""),)
 
 
-# Decode steps of at least this many rows take cuBLAS for their projections instead of XLA's
-# Triton GEMMs: faster for the `1b` decoder's blocks of 16 and 64 rows, slower for one row
-# (benchmarks/NOTES.md, "Session 8").
-CUBLAS_MIN_DECODE_ROWS = 16
-
-
 def step_xla_options(num_tokens: int, *, decode: bool = False) -> tuple[tuple[str, object], ...]:
     """The XLA options of a step or block of `num_tokens` tokens (its T); `decode`: one token
-    per row."""
+    per row (decode projections keep XLA's Triton GEMMs at every batch: with the whole block
+    in one command buffer they beat cuBLAS at 16 and 64 rows, benchmarks/NOTES.md "Session
+    10")."""
+    del decode
     if num_tokens > COMMAND_BUFFER_MAX_TOKENS:
         return LARGE_STEP_XLA_OPTIONS
-    if decode and num_tokens >= CUBLAS_MIN_DECODE_ROWS:
-        return SMALL_STEP_XLA_OPTIONS + (("xla_gpu_enable_triton_gemm", False),)
     return SMALL_STEP_XLA_OPTIONS
 
 
@@ -389,12 +396,12 @@ class Engine:
         config: EngineConfig,
         *,
         implementation: str | None = None,
-        xla_options: tuple[tuple[str, object], ...] | None = None,
+        xla_options: tuple[tuple[str, object], ...] | Callable | None = None,
         overlap: bool = True,
         mesh: jax.sharding.Mesh | None = None,
     ):
-        """`xla_options`: XLA options of every step kind; None: `step_xla_options` of each
-        kind's token count."""
+        """`xla_options`: XLA options of every step kind, or a function of a kind's
+        `(num_tokens, decode)` giving them; None: `step_xla_options`."""
         # Preemption lets the oldest sequence run alone, so one sequence must fit the pool.
         if config.pages_per_seq > config.num_pages:
             raise ValueError(
@@ -419,6 +426,8 @@ class Engine:
         def options(num_tokens, decode):
             if foreign:
                 return ()
+            if callable(xla_options):
+                return tuple(xla_options(num_tokens, decode))
             if xla_options is not None:
                 return tuple(xla_options)
             return step_xla_options(num_tokens, decode=decode)

@@ -76,6 +76,44 @@ def test_append_drops_writes_outside_the_pool_or_table():
     np.testing.assert_array_equal(_bits(k), before)
 
 
+@pytest.mark.parametrize("bad_table", [False, True])
+def test_slots_then_write_equals_append(bad_table):
+    """`kv_slots` once and `write_kv` per layer (the model's steps) write what `append_kv`
+    writes, bit for bit, including the writes it drops."""
+    rng = np.random.default_rng(2)
+    seqs = [(1, 9), (6, 6), (0, 5), (5, 13), (0, 0)]
+    batch = make_batch(rng, seqs, page_size=4, pad_tokens=3, pad_seqs=1)
+    table = np.asarray(batch.page_indices).copy()
+    if bad_table:
+        table[0, 2] = batch.k_pages.shape[0] + 1
+        table[3, 0] = -1
+    table = jnp.asarray(table)
+    num_tokens = batch.q.shape[0]
+    k_new = jnp.asarray(rng.standard_normal((num_tokens, 2, 64)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((num_tokens, 2, 64)), jnp.float32)
+    meta = (batch.kv_lens, table, batch.cu_q_lens, batch.num_seqs)
+    want = jaxpaged.append_kv(jnp.copy(batch.k_pages), jnp.copy(batch.v_pages), k_new, v_new, *meta)
+    slots = jaxpaged.kv_slots(
+        *meta, num_tokens=num_tokens, num_pages=batch.k_pages.shape[0], page_size=4
+    )
+    got = jaxpaged.write_kv(batch.k_pages, batch.v_pages, k_new, v_new, slots)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+    live = np.asarray(slots)[np.asarray(slots) >= 0]
+    assert len(set(live.tolist())) == len(live)  # distinct: the scatter's unique indices hold
+    step = jaxpaged.StepMetadata.build(
+        *meta, num_tokens=num_tokens, pool_shape=batch.k_pages.shape[:2]
+    )
+    np.testing.assert_array_equal(step.kv_slots, slots)
+
+
+def test_write_kv_checks_slots():
+    pages = jnp.zeros((2, 4, 1, 8), jnp.float32)
+    new = jnp.ones((3, 1, 8), jnp.float32)
+    with pytest.raises(ValueError, match="slots must be i32"):
+        jaxpaged.write_kv(pages, pages, new, new, jnp.zeros((2,), jnp.int32))
+
+
 def test_append_updates_donated_pages_in_place():
     rng = np.random.default_rng(1)
     batch = make_batch(rng, [(2, 5)], page_size=4, pad_tokens=0, pad_seqs=0)
