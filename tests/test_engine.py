@@ -422,6 +422,63 @@ def test_forked_samples_share_the_prompts_full_pages(prompt_len):
     _assert_same(seq.samples, refs)
 
 
+def _watch_pool(engine: Engine) -> list[int]:
+    """The pages in use in the pool right before each release of slots (a sync each, tests
+    only): the most it holds after every step or block, whose pages only grow until then."""
+    used, release = [], engine._release_pending
+
+    def watched():
+        used.append(_used_pages(engine))
+        release()
+
+    engine._release_pending = watched
+    return used
+
+
+def test_peak_pages_of_n_samples_are_those_of_separate_requests_less_the_shared_ones():
+    """8 samples of a 24-token prompt (1 full page and a partly filled one) that generate 12
+    tokens (35 cached at the end: 3 pages each) peak at 1 shared page + 8 x 2 pages = 17, and
+    8 separate requests, all admitted in one step, at 8 x 3 = 24; both peaks are the most the
+    pool's refcounts show."""
+    n, prompt = 8, _prompt(24, 51)
+    params = SamplingParams(12, 1.0, seed=4, n=n)
+    config = dict(max_seqs=n, max_tokens_per_step=n * len(prompt), num_pages=48)
+    peaks, used, outputs = [], [], []
+    for prompts, ps in (([prompt], [params]), _separately([prompt], [params])):
+        engine = _engine("xla", **config)
+        used.append(_watch_pool(engine))
+        outputs.append(_all_samples(_generate(engine, prompts, ps)))
+        peaks.append(engine.stats.peak_pages)
+    assert peaks == [1 + n * 2, n * 3]
+    assert [max(u) for u in used] == peaks
+    _assert_same(*outputs)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "cache"])
+def test_peak_pages_are_the_most_the_pool_holds(prefix_caching):
+    """Requests that finish in different decode blocks, some while the next block is in flight
+    (their release waits for it), n samples, one arriving late on cached pages: the peak
+    counted on the host is the most pages the pool's refcounts show."""
+    a, b = _prompt(40, 61), _prompt(30, 62)
+    engine = _engine(
+        "xla", max_seqs=8, max_tokens_per_step=192, num_pages=48, prefix_caching=prefix_caching
+    )
+    used = _watch_pool(engine)
+    requests = [
+        (a, SamplingParams(40, 1.0, seed=1, n=3)),
+        (a[:32] + b[:9], SamplingParams(21)),
+        (b[:32], SamplingParams(5, 1.0, seed=2, n=2)),
+    ]
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    engine.step()
+    engine.add_request(a[:32] + b[9:20], SamplingParams(30))
+    while engine.has_work():
+        engine.step()
+    assert engine.stats.peak_pages == max(used)
+    assert (engine.stats.prefix_hit_pages > 0) == prefix_caching
+
+
 def _run_checking_pool(engine: Engine, prompts, params):
     """Run to completion, checking after every step or block that the pool is consistent and
     that the scheduler counts the pages it holds (shared ones once)."""
