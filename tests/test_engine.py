@@ -436,47 +436,39 @@ def _watch_pool(engine: Engine) -> list[int]:
 
 
 def test_peak_pages_of_n_samples_are_those_of_separate_requests_less_the_shared_ones():
-    """8 samples of a 24-token prompt (1 full page and a partly filled one) that generate 12
-    tokens (35 cached at the end: 3 pages each) peak at 1 shared page + 8 x 2 pages = 17, and
-    8 separate requests, all admitted in one step, at 8 x 3 = 24; both peaks are the most the
-    pool's refcounts show."""
-    n, prompt = 8, _prompt(24, 51)
+    """4 samples of a 16-token prompt (one full page) that generate 12 tokens (27 cached at the
+    end: 2 pages each) peak at 1 shared page + 4 x 1 = 5 pages, and 4 separate requests, all
+    admitted in one step (64 tokens, the step's budget), at 4 x 2 = 8; both peaks are the most
+    the pool's refcounts show. (`benchmarks.sharing --smoke` checks prompts whose last page
+    is partly filled, copied per sample.)"""
+    n, prompt = 4, _prompt(PAGE, 51)
     params = SamplingParams(12, 1.0, seed=4, n=n)
-    config = dict(max_seqs=n, max_tokens_per_step=n * len(prompt), num_pages=48)
     peaks, used, outputs = [], [], []
     for prompts, ps in (([prompt], [params]), _separately([prompt], [params])):
-        engine = _engine("xla", **config)
+        engine = _engine("xla")
         used.append(_watch_pool(engine))
         outputs.append(_all_samples(_generate(engine, prompts, ps)))
         peaks.append(engine.stats.peak_pages)
-    assert peaks == [1 + n * 2, n * 3]
+    assert peaks == [1 + n * 1, n * 2]
     assert [max(u) for u in used] == peaks
     _assert_same(*outputs)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "cache"])
 def test_peak_pages_are_the_most_the_pool_holds(prefix_caching):
-    """Requests that finish in different decode blocks, some while the next block is in flight
-    (their release waits for it), n samples, one arriving late on cached pages: the peak
-    counted on the host is the most pages the pool's refcounts show."""
-    a, b = _prompt(40, 61), _prompt(30, 62)
-    engine = _engine(
-        "xla", max_seqs=8, max_tokens_per_step=192, num_pages=48, prefix_caching=prefix_caching
-    )
+    """A short request finishes in the first decode block while the second, enqueued before
+    the host read the first, runs the 2 samples of a long one a page further: the pool is
+    fullest at the second block's end, with the short one's pages still held (their release
+    waits for that block). Then a request on the long prompt's first page (cached or not).
+    The peak counted on the host is the most pages the pool's refcounts show."""
+    long, short = _prompt(20, 61), _prompt(30, 62)
+    engine = _engine("xla", prefix_caching=prefix_caching)
     used = _watch_pool(engine)
-    requests = [
-        (a, SamplingParams(40, 1.0, seed=1, n=3)),
-        (a[:32] + b[:9], SamplingParams(21)),
-        (b[:32], SamplingParams(5, 1.0, seed=2, n=2)),
-    ]
-    for prompt, params in requests:
-        engine.add_request(prompt, params)
-    engine.step()
-    engine.add_request(a[:32] + b[9:20], SamplingParams(30))
-    while engine.has_work():
-        engine.step()
+    # 39 tokens after the prefill step: blocks of 16, 16 and 7; the short one's 9 in the first.
+    _generate(engine, [long, short], [SamplingParams(40, 1.0, seed=1, n=2), SamplingParams(10)])
+    _generate(engine, [long[:PAGE] + short[:10]], SamplingParams(5))
     assert engine.stats.peak_pages == max(used)
-    assert (engine.stats.prefix_hit_pages > 0) == prefix_caching
+    assert engine.stats.prefix_hit_pages == int(prefix_caching)
 
 
 def _run_checking_pool(engine: Engine, prompts, params):
