@@ -67,11 +67,11 @@ def _config(args, max_seqs: int, max_len: int) -> EngineConfig:
 
 def _engine(model, config: EngineConfig, implementation: str | None) -> Engine:
     """A fresh engine with its calls compiled: a mixed step, a fork, a decode block, a step on
-    cached pages (with the cache) and a decode step first run on a throwaway engine of the same
-    config, which shares their compilations and goes with its pages and cache."""
+    cached pages (with the cache) and a decode step (one token) first run on a throwaway engine
+    of the same config, which shares their compilations and goes with its pages and cache."""
     warm = Engine(model, config, implementation=implementation)
     prompt = list(range(2 * config.page_size + 1))
-    warm.generate([prompt], SamplingParams(2, 1.0, n=2))
+    warm.generate([prompt], SamplingParams(2, 1.0, n=min(2, config.max_seqs)))
     warm.generate([prompt], SamplingParams(2))
     warm.generate([[1]], SamplingParams(2))
     del warm
@@ -95,6 +95,7 @@ def _best_pages(args, shared: bool) -> int:
 
 
 def rollout(model, args, rng) -> list[dict]:
+    """The rollout's cases, one per mode (the module's docstring says what they hold)."""
     n, vocab = args.samples, model.config.vocab_size
     prompts = rng.integers(0, vocab, (args.prompts, args.prompt_len)).tolist()
     params = [SamplingParams(args.new_tokens, 1.0, seed=i * n, n=n) for i in range(args.prompts)]
@@ -149,6 +150,7 @@ def _burst(engine: Engine, prompts, params: SamplingParams) -> tuple[dict, list]
 
 
 def prefix(model, args, rng) -> list[dict]:
+    """The prefix cache's cases, one per setting and arrival."""
     vocab = model.config.vocab_size
     system = rng.integers(0, vocab, args.system_len).tolist()
     suffixes = rng.integers(0, vocab, (args.requests, args.suffix_len)).tolist()
