@@ -337,7 +337,8 @@ class Stats:
     before the slots that finished in it are released. A block enqueued ahead of the one the
     host reads also counts the pages of the rows that finished in that one, whose release waits
     for it on the device. Those are the moments the pool is at its fullest, so it equals the
-    most used pages the pool's refcounts ever show."""
+    most used pages the pool's refcounts ever show, while the scheduler's counts are the pool's
+    (a step, block or fork the pool refused says they were not)."""
 
     prefill_tokens: int = 0
     prefill_time: float = 0.0
