@@ -336,7 +336,16 @@ class Stats:
     computed their prompts on their own). With prefix caching, admissions looked up
     `prefix_queried_pages` full prompt pages in the cache and found `prefix_hit_pages` of them
     (the pages saved: neither computed nor stored again); `prefix_evicted_pages` were
-    evicted."""
+    evicted.
+
+    `peak_pages` is the most pages of the pool in use at once (held by a slot or by the prefix
+    cache, a shared page once), counted on the host from the scheduler's page accounting, so
+    no step waits for it: at the end of every step (its forks included) and every decode block,
+    before the slots that finished in it are released. A block enqueued ahead of the one the
+    host reads also counts the pages of the rows that finished in that one, whose release waits
+    for it on the device. Those are the moments the pool is at its fullest, so it equals the
+    most used pages the pool's refcounts ever show, while the scheduler's counts are the pool's
+    (a step, block or fork the pool refused says they were not)."""
 
     prefill_tokens: int = 0
     prefill_time: float = 0.0
@@ -357,6 +366,7 @@ class Stats:
     prefix_queried_pages: int = 0
     prefix_hit_pages: int = 0
     prefix_evicted_pages: int = 0
+    peak_pages: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -456,6 +466,9 @@ class Engine:
         self._last_block_failed = False
         self._clock = 0.0
         self._pool_oks: list[jax.Array] = []  # of the prefix cache's pool updates, unread
+        # Pages whose release the host enqueued after the decode block in flight: held till it
+        # ends.
+        self._released_after_block = 0
 
     def step_fn(self, decode: bool):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
@@ -577,6 +590,7 @@ class Engine:
         ):
             page_table = np.asarray(self.pool.page_indices)  # the pages the prompts filled
         finished = self.scheduler.update(plan, tokens, logprobs, page_table)
+        self._count_peak()
         self._retain_pending()
         self._fork_pending()
         self._release_pending()
@@ -662,6 +676,10 @@ class Engine:
             if self._block is None:
                 self.scheduler.on_failed_step()
         finished = self.scheduler.update_block(block.rows, tokens, logprobs, counts)
+        self._count_peak()
+        # A block in flight was enqueued before this release, which thus runs after it.
+        in_flight = self._block is not None
+        self._released_after_block = self.scheduler.releasing_pages if in_flight else 0
         self._release_pending()
         return finished
 
@@ -787,6 +805,14 @@ class Engine:
         ids[: len(slots)] = slots
         self.pool = jaxpaged.release(self.pool, ids)
         self.scheduler.to_release.clear()
+        self.scheduler.releasing_pages = 0
+
+    def _count_peak(self) -> None:
+        """Count the pages in use at the end of the step or block just read (`Stats.peak_pages`),
+        before the releases that follow it."""
+        scheduler = self.scheduler
+        used = scheduler.num_held_pages() + scheduler.releasing_pages + self._released_after_block
+        self.stats.peak_pages = max(self.stats.peak_pages, used)
 
     def _record_logits(self, plan: Plan, logits: np.ndarray) -> None:
         offset = 0

@@ -214,7 +214,9 @@ class Scheduler:
     longest cached prefix (`to_attach`), leaving at least its last token to compute, and idle
     cached pages are evicted (`to_evict`) before any sequence is preempted for pages. The
     engine applies `to_release`, `to_evict` and `to_attach` in that order before a step, and
-    `to_retain`, then `to_fork`, then `to_release` after it.
+    `to_retain`, then `to_fork`, then `to_release` after it. Until it releases them, the
+    slots in `to_release` still hold `releasing_pages` pages that no one else holds: the pool
+    holds `num_held_pages() + releasing_pages`.
     """
 
     def __init__(self, config: EngineConfig):
@@ -226,6 +228,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first; forked samples after their source
         self.free_slots = list(range(config.max_seqs))
         self.to_release: list[int] = []  # slots the engine must release before the next step
+        self.releasing_pages = 0  # the pages releasing them frees (held by no one else)
         # (source slot, samples): forks the engine must run before releasing slots.
         self.to_fork: list[tuple[int, list[Sequence]]] = []
         self.to_attach: list[tuple[int, list[int]]] = []  # (slot, cached pages to start it on)
@@ -348,7 +351,7 @@ class Scheduler:
         tokens and recomputes their K/V (or takes them from the cache) when admitted again."""
         freed = self._pages(seq.num_cached) - self._leave_shared(seq)
         self.running.remove(seq)
-        self._free_slot(seq)
+        self._free_slot(seq, freed)
         seq.num_cached = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -462,9 +465,9 @@ class Scheduler:
         return finished
 
     def _finish(self, seq: Sequence) -> None:
-        self._leave_shared(seq)
+        freed = self._pages(seq.num_cached) - self._leave_shared(seq)
         self.running.remove(seq)
-        self._free_slot(seq)
+        self._free_slot(seq, freed)
         self._keys.pop(seq, None)
 
     def _leave_shared(self, seq: Sequence) -> int:
@@ -479,8 +482,9 @@ class Scheduler:
         shared.holders -= 1
         return len(cached) + (shared.pages if shared.holders else 0)
 
-    def _free_slot(self, seq: Sequence) -> None:
+    def _free_slot(self, seq: Sequence, freed: int) -> None:
         self.to_release.append(seq.slot)
+        self.releasing_pages += freed
         heapq.heappush(self.free_slots, seq.slot)
         for sample in seq.unforked:  # slots held for samples not forked yet
             heapq.heappush(self.free_slots, sample.slot)

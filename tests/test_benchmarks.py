@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib
 import pytest
 
-from benchmarks import attention, inputs, results, summary
+from benchmarks import attention, inputs, results, sharing, summary
 
 matplotlib.use("Agg")
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +37,35 @@ def test_smoke_suites_write_results_that_load_plot_and_summarize(tmp_path):
     assert "**Decode**" in text and "**Prefill**" in text and "**Mixed batches**" in text
 
 
+def test_sharing_smoke_shares_pages_and_prompts_and_changes_no_token(tmp_path):
+    """The tiny rollout (2 prompts of 40 tokens, 4 samples, 12 new tokens; every request
+    admitted in the first step) peaks at its arithmetic's pages: 8 x 4 private, 2 x 2 shared
+    + 8 x 2 own (a copy of the partly filled prompt page, a generated one); the shared prompt
+    is prefilled once per prompt and the samples give the private requests' tokens. The warm
+    prefix cache computes only the 7 timed requests' suffixes; no output changes."""
+    cases = sharing.main(["--smoke", "--out", str(tmp_path / "h200_sharing.json")])
+    assert json.loads((tmp_path / "h200_sharing.json").read_text())["cases"] == cases
+    rollout = {c["mode"]: c for c in cases if c["kind"] == "rollout"}
+    private = rollout.pop("private")
+    assert (private["peak_pages"], private["best_pages"], private["prefill_tokens"]) == (
+        32,
+        32,
+        320,
+    )
+    assert rollout, "no shared mode"
+    for shared in rollout.values():
+        assert (shared["peak_pages"], shared["best_pages"], shared["pages_ratio"]) == (20, 20, 1.6)
+        assert (shared["prefill_tokens"], shared["forked_samples"]) == (80, 6)
+        assert shared["same_tokens_as_private"] == 1.0 and shared["preemptions"] == 0
+    prefix = {(c["prefix_caching"], c["arrival"]): c for c in cases if c["kind"] == "prefix"}
+    assert prefix.keys() == {(cached, a) for cached in (False, True) for a in ("cold", "warm")}
+    assert all(c["same_tokens_as_no_cache"] == 1.0 for c in prefix.values())
+    assert prefix[False, "warm"]["prefill_tokens"] == 7 * 56
+    assert prefix[True, "warm"]["prefill_tokens"] == 7 * 8
+    assert prefix[True, "warm"]["prefix_hit_pages"] == 7 * 3
+    assert prefix[False, "cold"]["prefix_hit_pages"] == 0 < prefix[True, "cold"]["prefix_hit_pages"]
+
+
 def test_loader_reads_the_recorded_results():
     found = results.load_all()
     assert {"decode", "prefill"} <= found.keys()
@@ -52,7 +81,7 @@ def test_every_recorded_ratio_is_named_after_an_implementation_of_its_file():
     `impl` an implementation timed in the same file."""
     for path in results.RESULTS_DIR.glob("*.json"):
         data = json.loads(path.read_text())
-        if data["suite"] == "e2e":  # engine throughput: vs_hf, no kernel records
+        if data["suite"] in ("e2e", "sharing"):  # engine figures: vs_hf, vs_private, ...
             continue
         cases = data["cases"]
         ratios = {k for c in cases for k in c if k.startswith(("vs_", "x_"))}

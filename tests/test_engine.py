@@ -422,6 +422,55 @@ def test_forked_samples_share_the_prompts_full_pages(prompt_len):
     _assert_same(seq.samples, refs)
 
 
+def _watch_pool(engine: Engine) -> list[int]:
+    """The pages in use in the pool right before each release of slots (a sync each, tests
+    only): the most it holds after every step or block, whose pages only grow until then."""
+    used, release = [], engine._release_pending
+
+    def watched():
+        used.append(_used_pages(engine))
+        release()
+
+    engine._release_pending = watched
+    return used
+
+
+def test_peak_pages_of_n_samples_are_those_of_separate_requests_less_the_shared_ones():
+    """4 samples of a 16-token prompt (one full page) that generate 12 tokens (27 cached at the
+    end: 2 pages each) peak at 1 shared page + 4 x 1 = 5 pages, and 4 separate requests, all
+    admitted in one step (64 tokens, the step's budget), at 4 x 2 = 8; both peaks are the most
+    the pool's refcounts show. (`benchmarks.sharing --smoke` checks prompts whose last page
+    is partly filled, copied per sample.)"""
+    n, prompt = 4, _prompt(PAGE, 51)
+    params = SamplingParams(12, 1.0, seed=4, n=n)
+    peaks, used, outputs = [], [], []
+    for prompts, ps in (([prompt], [params]), _separately([prompt], [params])):
+        engine = _engine("xla")
+        used.append(_watch_pool(engine))
+        outputs.append(_all_samples(_generate(engine, prompts, ps)))
+        peaks.append(engine.stats.peak_pages)
+    assert peaks == [1 + n * 1, n * 2]
+    assert [max(u) for u in used] == peaks
+    _assert_same(*outputs)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "cache"])
+def test_peak_pages_are_the_most_the_pool_holds(prefix_caching):
+    """A short request finishes in the first decode block while the second, enqueued before
+    the host read the first, runs the 2 samples of a long one a page further: the pool is
+    fullest at the second block's end, with the short one's pages still held (their release
+    waits for that block). Then a request on the long prompt's first page (cached or not).
+    The peak counted on the host is the most pages the pool's refcounts show."""
+    long, short = _prompt(20, 61), _prompt(30, 62)
+    engine = _engine("xla", prefix_caching=prefix_caching)
+    used = _watch_pool(engine)
+    # 39 tokens after the prefill step: blocks of 16, 16 and 7; the short one's 9 in the first.
+    _generate(engine, [long, short], [SamplingParams(40, 1.0, seed=1, n=2), SamplingParams(10)])
+    _generate(engine, [long[:PAGE] + short[:10]], SamplingParams(5))
+    assert engine.stats.peak_pages == max(used)
+    assert engine.stats.prefix_hit_pages == int(prefix_caching)
+
+
 def _run_checking_pool(engine: Engine, prompts, params):
     """Run to completion, checking after every step or block that the pool is consistent and
     that the scheduler counts the pages it holds (shared ones once)."""
