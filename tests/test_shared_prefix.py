@@ -1,6 +1,7 @@
 """Shared-prefix (cascade) decode attention: on page tables with real sharing (forked samples,
 prefix-cache hits) it gives plain `paged_decode_attention`'s outputs and LSEs for every backend;
-`find_prefix_groups` groups only what is safe; `validate_prefix_groups` names each broken rule.
+`find_prefix_groups` groups only what is safe; `validate_prefix_groups` names each broken rule;
+the engine's tokens and logits do not change with it.
 """
 
 import dataclasses
@@ -12,8 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxpaged
+from models.scheduler import SamplingParams
 from pallas_kernels.common import poison_outputs
 from tests.helpers import LSE_TOL, OUT_TOL, backend_params, require
+from tests.test_engine import (
+    SHARED_PARAMS,
+    SHARED_PROMPTS,
+    _all_samples,
+    _assert_same,
+    _engine,
+    _prompt,
+    _run_recording,
+    _separate_reference,
+)
 
 PAGE = 16
 BACKENDS = backend_params(gpu=(("triton", "triton-gpu"), ("mosaic", "mosaic-gpu")))
@@ -329,3 +341,48 @@ def test_bad_arguments_raise_before_tracing():
         op(*args, fields)
     with pytest.raises(ValueError, match="max_group_size must be an int >= 1"):
         jaxpaged.find_prefix_groups(args[4], args[3], PAGE, max_group_size=0)
+
+
+# The engine: forced onto the shared-prefix path whenever a group exists (one saved token),
+# in groups of at most 2 (prompts of 3 samples split).
+SHARING = dict(shared_prefix_min_tokens=1, max_prefix_group=2)
+
+
+@pytest.mark.parametrize("decode_steps", [None, 8], ids=["steps", "blocks"])
+def test_engine_outputs_equal_those_without_shared_prefix_attention(decode_steps):
+    """n-sample requests and prefix-cache hits running beside the requests whose pages they
+    hit: the same tokens, log-probabilities within 1e-5 and (steps) float32 output logits within
+    1e-5 as the samples give as separate requests, which share no page."""
+    record = decode_steps is None
+    engine = _engine("xla", decode_steps=decode_steps, prefix_caching=True, **SHARING)
+    with jaxpaged.quiet_triton_deprecation():
+        seqs = engine.generate(SHARED_PROMPTS, SHARED_PARAMS[True], record_prompt_logits=record)
+    forked_steps = engine.stats.shared_prefix_steps
+    assert forked_steps > 0 and engine.stats.forked_samples > 0
+    samples, refs = _all_samples(seqs), _separate_reference("xla", True)
+    _assert_same(samples, refs)
+    if record:
+        for seq, ref in zip(samples, refs, strict=True):
+            np.testing.assert_allclose(seq.output_logits, ref.output_logits, rtol=0, atol=1e-5)
+
+    # Prefix-cache hits: two requests start on a running request's first two pages.
+    base = _prompt(45, 71)
+    prompts = [base, base[:40] + _prompt(3, 72), base[:33] + _prompt(9, 73)]
+    # The first request runs long enough to decode beside the others, after the blocks that
+    # are in flight when they arrive.
+    params = [SamplingParams(40), SamplingParams(10, 0.9, seed=8), SamplingParams(12)]
+    hit_pages = engine.stats.prefix_hit_pages
+    first = engine.add_request(prompts[0], params[0])
+    with jaxpaged.quiet_triton_deprecation():
+        while len(first.output) < 2:
+            engine.step(record_prompt_logits=record)
+        hits = [engine.add_request(p, sp) for p, sp in zip(prompts[1:], params[1:], strict=True)]
+        while engine.has_work():
+            engine.step(record_prompt_logits=record)
+    assert engine.stats.prefix_hit_pages - hit_pages == 4
+    assert engine.stats.shared_prefix_steps > forked_steps
+    refs = _run_recording(_engine("xla", decode_steps=None), prompts, params)
+    _assert_same([first, *hits], refs)
+    if record:
+        for seq, ref in zip([first, *hits], refs, strict=True):
+            np.testing.assert_allclose(seq.output_logits, ref.output_logits, rtol=0, atol=1e-5)
