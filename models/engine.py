@@ -428,7 +428,8 @@ class Engine:
     `overlap`: enqueue the next decode block before reading the current one's tokens (the
     default); False syncs after every block. `mesh`: a tensor-parallel mesh
     (`models.parallel.make_mesh`); the parameters and KV pages are placed split over it, the
-    pool replicated, and every step runs under it (`jax.set_mesh`).
+    pool replicated, and every step runs under it (`jax.set_mesh`). `prefix_sharing` is the
+    `PrefixSharing` of the decode steps and blocks (None: plain decode).
     """
 
     def __init__(
@@ -472,7 +473,8 @@ class Engine:
             return step_xla_options(num_tokens, decode=decode)
 
         decode_options = options(self.decode_rows, True)
-        sharing = self._prefix_sharing(model)
+        self.prefix_sharing = self._prefix_sharing(model)
+        sharing = self.prefix_sharing
         self._step_fns = {
             True: step_function(self.graphdef, treedef, decode_options, sharing),
             False: step_function(

@@ -9,10 +9,14 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxpaged
+from models.config import CONFIGS, EngineConfig
+from models.decoder import Decoder
+from models.engine import Engine, PrefixSharing
 from models.scheduler import SamplingParams
 from pallas_kernels.common import poison_outputs
 from tests.helpers import LSE_TOL, OUT_TOL, backend_params, require
@@ -386,3 +390,21 @@ def test_engine_outputs_equal_those_without_shared_prefix_attention(decode_steps
     if record:
         for seq, ref in zip([first, *hits], refs, strict=True):
             np.testing.assert_allclose(seq.output_logits, ref.output_logits, rtol=0, atol=1e-5)
+
+
+def test_engine_takes_the_shared_prefix_path_only_where_it_can_pay():
+    """Plain decode (nothing of the shared-prefix path compiled) when it is off, under a sliding
+    window, or when no step of the config can save `shared_prefix_min_tokens` (the tests'
+    small configs); groups as large as the backends take for the model otherwise."""
+    assert _engine("xla").prefix_sharing is None  # at most 3 * 9 pages saved: below 4096
+    assert _engine("xla", **SHARING).prefix_sharing == PrefixSharing(2, 1)
+    assert _engine("xla", shared_prefix_min_tokens=1).prefix_sharing == PrefixSharing(32, 1)
+    off = dict(SHARING, shared_prefix_attention=False)
+    assert _engine("xla", **off).prefix_sharing is None
+    windowed = Decoder(dataclasses.replace(CONFIGS["tiny"], sliding_window=8), rngs=nnx.Rngs(0))
+    config = EngineConfig(num_pages=40, max_seqs=4, max_model_len=160, **SHARING)
+    assert Engine(windowed, config).prefix_sharing is None
+    with pytest.raises(ValueError, match="shared_prefix_min_tokens must be >= 0"):
+        EngineConfig(shared_prefix_min_tokens=-1)
+    with pytest.raises(ValueError, match="max_prefix_group must be None or >= 2"):
+        EngineConfig(max_prefix_group=1)
