@@ -338,10 +338,14 @@ def run_shared_prefix(cases, *, interpret: bool, budget_s: float, iterations: in
         kv_bytes = bi.kv_cache_bytes(prompts * samples * (shared + private))
         print(f"== {name}: {kv_bytes / 2**20:.0f} MiB of KV over the sequences", flush=True)
         for impl in ours:
-            fn = functools.partial(
-                shared_prefix_decode_attention, implementation=impl, interpret=interpret
-            )
-            runner.record(name, impl, "cascade", fn, *args, work=kv_bytes, **shape)
+            op = functools.partial(shared_prefix_decode_attention, implementation=impl)
+            runner.record(name, impl, "cascade", op, *args, work=kv_bytes, **shape)
+            if impl != "xla":  # the reference takes no splits
+                k = bi.prefix_splits(impl, prompts, shared + private)
+                fn = functools.partial(op, prefix_num_splits=k)
+                runner.record(
+                    name, impl, f"cascade, prefix splits {k}", fn, *args, work=kv_bytes, **shape
+                )
             for anchor, table in (("private", private_table), ("plain", args[4])):
                 runner.record(
                     name, anchor, impl, plain[impl], *args[:4], table, work=kv_bytes, **shape

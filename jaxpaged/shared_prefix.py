@@ -320,6 +320,7 @@ def shared_prefix_decode_attention(
     return_lse: bool = False,
     implementation: str | None = None,
     interpret: bool = False,
+    prefix_num_splits: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`paged_decode_attention` that reads each group's shared pages once (cascade attention).
 
@@ -339,6 +340,9 @@ def shared_prefix_decode_attention(
         by `validate_prefix_groups`).
       sliding_window: must be None: each query has its own window, so a group's queries do not
         see the same keys. (`PagedAttention` runs plain decode under a window.)
+      prefix_num_splits: KV splits per group in the prefix call; None: the backend's rule for
+        its static shape, which counts all S group slots as busy (with few groups of long
+        prefixes, more splits can fill more SMs).
 
     Returns:
       `out` [S, Hq, D] in q's dtype, and `lse` f32[S, Hq] when `return_lse`; inactive slots
@@ -364,6 +368,12 @@ def shared_prefix_decode_attention(
             "paged_decode_attention"
         )
     _check_options(sm_scale, None, logits_soft_cap)
+    if prefix_num_splits is not None and (
+        not isinstance(prefix_num_splits, int) or prefix_num_splits < 1
+    ):
+        raise ValueError(
+            f"prefix_num_splits must be None or an int >= 1; got {prefix_num_splits!r}"
+        )
     num_q_heads, (_, page_size, num_kv_heads, _) = q.shape[1], k_pages.shape
     name = resolve_implementation(
         "decode",
@@ -399,23 +409,29 @@ def shared_prefix_decode_attention(
         page_indices,
         groups,
         options=tuple(sorted(options.items())),
+        prefix_num_splits=prefix_num_splits,
         poison=poison_enabled(),
     )
     return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("options", "poison"))
-def _shared_prefix_jit(q, k_pages, v_pages, kv_lens, page_indices, groups, *, options, poison):
+@functools.partial(jax.jit, static_argnames=("options", "prefix_num_splits", "poison"))
+def _shared_prefix_jit(
+    q, k_pages, v_pages, kv_lens, page_indices, groups, *, options, prefix_num_splits, poison
+):
     del poison  # a static key only: the kernels read it while tracing
     decode = functools.partial(paged_decode_attention, return_lse=True, **dict(options))
+    args = (q, k_pages, v_pages, kv_lens, page_indices)
     return lax.cond(
         groups.use,
-        lambda: _cascade(decode, q, k_pages, v_pages, kv_lens, page_indices, groups),
-        lambda: decode(q, k_pages, v_pages, kv_lens, page_indices),
+        lambda: _cascade(decode, *args, groups, prefix_num_splits=prefix_num_splits),
+        lambda: decode(*args),
     )
 
 
-def _cascade(decode, q, k_pages, v_pages, kv_lens, page_indices, groups: PrefixGroups):
+def _cascade(
+    decode, q, k_pages, v_pages, kv_lens, page_indices, groups: PrefixGroups, *, prefix_num_splits
+):
     """The two decode calls and their merge. Every index is clamped: garbage `groups` give
     wrong numbers, never an access outside the arrays."""
     num_seq_slots, num_q_heads, head_dim = q.shape
@@ -435,7 +451,12 @@ def _cascade(decode, q, k_pages, v_pages, kv_lens, page_indices, groups: PrefixG
     )
     shared = jnp.where(present[:, 0], jnp.clip(groups.shared_pages, 0, pages_per_seq), 0)
     prefix_out, prefix_lse = decode(
-        prefix_q, k_pages, v_pages, shared * page_size, page_indices[slot(members[:, 0])]
+        prefix_q,
+        k_pages,
+        v_pages,
+        shared * page_size,
+        page_indices[slot(members[:, 0])],
+        num_splits=prefix_num_splits,
     )
     # Back to sequences: rows (h, rank_of[s], :) of group group_of[s] are sequence s's.
     g, r = slot(groups.group_of), jnp.clip(groups.rank_of, 0, size - 1)

@@ -474,14 +474,15 @@ class Engine:
 
         decode_options = options(self.decode_rows, True)
         self.prefix_sharing = self._prefix_sharing(model)
-        sharing = self.prefix_sharing
+        # Without sharing, no argument: the cached function of a call that does not name it.
+        sharing = () if self.prefix_sharing is None else (self.prefix_sharing,)
         self._step_fns = {
-            True: step_function(self.graphdef, treedef, decode_options, sharing),
+            True: step_function(self.graphdef, treedef, decode_options, *sharing),
             False: step_function(
                 self.graphdef, treedef, options(config.max_tokens_per_step, False)
             ),
         }
-        self._block_fn = block_function(self.graphdef, treedef, decode_options, sharing)
+        self._block_fn = block_function(self.graphdef, treedef, decode_options, *sharing)
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(

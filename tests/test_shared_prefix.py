@@ -5,6 +5,7 @@ the engine's tokens and logits do not change with it.
 """
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -111,17 +112,11 @@ def _pages(pool, shape, dtype, rng):
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
 
 
-def _decode(backend, q, k, v, pool, groups):
+def _decode(backend, q, k, v, pool, groups, **options):
+    args = (q, k, v, pool.kv_lens, pool.page_indices, groups)
     with poison_outputs(), jaxpaged.quiet_triton_deprecation():
         return jaxpaged.shared_prefix_decode_attention(
-            q,
-            k,
-            v,
-            pool.kv_lens,
-            pool.page_indices,
-            groups,
-            return_lse=True,
-            implementation=backend,
+            *args, return_lse=True, implementation=backend, **options
         )
 
 
@@ -140,9 +135,9 @@ def _groups(pool, size):
     )
 
 
-CASES = [  # (Hq, Hkv, max_group_size, dtype)
-    pytest.param(4, 2, 2, jnp.float32, id="gqa-n2-f32"),
-    pytest.param(4, 1, 8, jnp.bfloat16, id="mqa-n8-bf16"),
+CASES = [  # (Hq, Hkv, max_group_size, dtype, prefix_num_splits: the XLA reference ignores it)
+    pytest.param(4, 2, 2, jnp.float32, None, id="gqa-n2-f32"),
+    pytest.param(4, 1, 8, jnp.bfloat16, 3, id="mqa-n8-bf16-splits3"),
 ]
 # CPU_POOL's groups: prompt A's 5 samples in chunks of 2, 2 and 1 (a group of one is none) at
 # n=2, in one group at n=8; prompt B's 2 samples (4 pages); prompt C and its hit (2 pages).
@@ -150,8 +145,8 @@ GROUPS = {2: ({0: 2, 2: 2, 5: 4, 7: 2}, [0, 0, 2, 2, -1]), 8: ({0: 2, 5: 4, 7: 2
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "size", "dtype"), CASES)
-def test_cascade_equals_plain_decode(backend, num_q_heads, num_kv_heads, size, dtype):
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads", "size", "dtype", "splits"), CASES)
+def test_cascade_equals_plain_decode(backend, num_q_heads, num_kv_heads, size, dtype, splits):
     """On the pool's sharing, in groups of at most `size` members, the shared-prefix path
     gives the outputs and LSEs of the plain path (`use` False: one `paged_decode_attention`
     call, traced in the same function); so does it with every group emptied (every prefix
@@ -169,8 +164,9 @@ def test_cascade_equals_plain_decode(backend, num_q_heads, num_kv_heads, size, d
         g: shared.get(g, 0) for g in range(pool.max_seqs)
     }
     assert np.asarray(groups.group_of)[families[0]].tolist() == group_of
-    plain = _decode(backend, q, k, v, pool, dataclasses.replace(groups, use=jnp.bool_(False)))
-    _assert_equal_to_plain(plain, _decode(backend, q, k, v, pool, groups), dtype)
+    decode = functools.partial(_decode, backend, q, k, v, pool, prefix_num_splits=splits)
+    plain = decode(dataclasses.replace(groups, use=jnp.bool_(False)))
+    _assert_equal_to_plain(plain, decode(groups), dtype)
     empty = dataclasses.replace(
         groups,
         members=jnp.full_like(groups.members, -1),
@@ -178,12 +174,13 @@ def test_cascade_equals_plain_decode(backend, num_q_heads, num_kv_heads, size, d
         group_of=jnp.full_like(groups.group_of, -1),
         rank_of=jnp.full_like(groups.rank_of, -1),
     )
-    _assert_equal_to_plain(plain, _decode(backend, q, k, v, pool, empty), dtype)
+    _assert_equal_to_plain(plain, decode(empty), dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", [8, 16])
-def test_mosaic_cascade_equals_plain_decode_at_the_benchmark_shape(size):
+@pytest.mark.parametrize("splits", [None, 4])
+def test_mosaic_cascade_equals_plain_decode_at_the_benchmark_shape(size, splits):
     """Hq=32, Hkv=8, D=128, bf16: 8 samples of a 1000-token prompt in one group, 3 samples of
     another, a prefix-cache hit, lone sequences. The prefix call has 32 query rows per KV head
     at 8 members, the whole 64-row tile at 16 (the members past 8 are padding)."""
@@ -204,7 +201,8 @@ def test_mosaic_cascade_equals_plain_decode_at_the_benchmark_shape(size):
     assert np.asarray(groups.group_of)[families[0]].tolist() == [0] * 8
     args = (q, k, v, pool.kv_lens, pool.page_indices)
     plain = jaxpaged.paged_decode_attention(*args, return_lse=True, implementation="mosaic")
-    _assert_equal_to_plain(plain, _decode("mosaic", q, k, v, pool, groups), jnp.bfloat16)
+    cascade = _decode("mosaic", q, k, v, pool, groups, prefix_num_splits=splits)
+    _assert_equal_to_plain(plain, cascade, jnp.bfloat16)
 
 
 @pytest.mark.gpu
@@ -343,6 +341,8 @@ def test_bad_arguments_raise_before_tracing():
         op(*args, jaxpaged.PrefixGroups(**{**fields, "group_of": fields["group_of"][:5]}))
     with pytest.raises(TypeError, match="groups must be a PrefixGroups"):
         op(*args, fields)
+    with pytest.raises(ValueError, match="prefix_num_splits must be None or an int >= 1"):
+        op(*args, jaxpaged.PrefixGroups(**fields), prefix_num_splits=0)
     with pytest.raises(ValueError, match="max_group_size must be an int >= 1"):
         jaxpaged.find_prefix_groups(args[4], args[3], PAGE, max_group_size=0)
 
