@@ -504,8 +504,8 @@ class Engine:
         """The decode steps' `PrefixSharing`. None (plain decode, and no shared-prefix path
         compiled) when it is off, under a sliding window (each query sees its own keys), when
         the backends take no group of two for the model, or when no step can save
-        `shared_prefix_min_tokens`: at most every slot but one skips all its full pages but
-        the one of its new token."""
+        `shared_prefix_min_tokens`: a step saves at most `(max_seqs - 1) * (pages_per_seq -
+        1) * page_size` tokens (all slots in one group, sharing all pages but the last)."""
         config, model_config = self.config, model.config
         size = config.max_prefix_group or jaxpaged.default_max_group_size(
             model_config.num_q_heads, model_config.num_kv_heads
