@@ -23,6 +23,10 @@ and, for our kernels, `vs_<anchor>` = anchor time / our time, both measured in t
 - mixed: chunks plus decode tokens in one ragged call, against its parts run separately (chunks
   by the ragged kernel, decodes by the fastest of the ragged, Triton and Mosaic decode kernels):
   an `impl="parts"` record whose `mixed_by` names the fastest kernel of the one call.
+- shared_prefix: 8 prompts x 8 samples sharing 4096 or 16384 prompt tokens plus 128 tokens of
+  their own, page 16: `shared_prefix_decode_attention` (groups found untimed, as once per step)
+  against plain decode of the same K/V in per-sample copies (`private`) and through the shared
+  page table (`plain`), by the Triton and Mosaic kernels. TB/s counts every sequence's K/V.
 
 The suites stop starting cases once `--budget-s` (per suite) is spent: skipped cases are
 recorded as such. A failing measurement records its error and the run goes on. `--quick`
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -44,13 +49,13 @@ import jax.numpy as jnp
 from benchmarks import inputs as bi
 from benchmarks.common import L2_BYTES, Runner, environment, error_text, kernel_time_ms, print_table
 from benchmarks.inputs import Batch, DecodeCase
-from jaxpaged import quiet_triton_deprecation
+from jaxpaged import quiet_triton_deprecation, shared_prefix_decode_attention
 from pallas_kernels.common import H200_NUM_SMS
 
-SUITES = ("decode", "prefill", "mixed")
+SUITES = ("decode", "prefill", "mixed", "shared_prefix")
 # Default per-suite budgets (seconds of wall time, compiles included), sized so that the three
 # suites fit in about 5 minutes of one device call.
-BUDGET_S = {"decode": 130.0, "prefill": 100.0, "mixed": 30.0}
+BUDGET_S = {"decode": 130.0, "prefill": 100.0, "mixed": 30.0, "shared_prefix": 60.0}
 OURS = ("triton", "mosaic")
 
 # Decode: the largest KV (K plus V) a case may read; bigger cases are not run.
@@ -77,6 +82,9 @@ MIXED = (
     dict(num_chunks=2, chunk=2048, prefix=8192, num_decode=124),
 )
 MIXED_SMOKE = (dict(num_chunks=2, chunk=16, prefix=48, num_decode=5),)
+# Shared prefixes: (prompts, samples per prompt, shared tokens, private tokens per sample).
+SHARED_PREFIX = ((8, 8, 4096, 128), (8, 8, 16384, 128))
+SHARED_PREFIX_SMOKE = ((2, 3, 32, 5),)
 
 
 def decode_case(batch: int, ctx: int, page_size: int, ragged: bool = False) -> DecodeCase:
@@ -314,6 +322,39 @@ def run_mixed(configs, *, interpret: bool, budget_s: float, iterations: int, smo
     return runner.records
 
 
+def run_shared_prefix(cases, *, interpret: bool, budget_s: float, iterations: int, smoke: bool):
+    runner = Runner(budget_s, iterations, rate_key="tb_s", unit="TB/s")
+    # The smoke run takes the XLA reference: three interpreted Triton kernels compile slowly.
+    ours = ("xla",) if interpret else OURS
+    plain = {"triton": bi.public_triton_decode_fn(False), "mosaic": bi.mosaic_decode_fn}
+    plain["xla"] = bi.xla_decode_fn
+    for prompts, samples, shared, private in cases:
+        name = f"{prompts}x{samples}-shared{shared}-private{private}"
+        shape = dict(prompts=prompts, samples=samples, shared=shared, private=private)
+        if runner.over_budget():
+            _skip(runner.records, name, **shape)
+            continue
+        args, private_table = bi.make_shared_prefix_inputs(prompts, samples, shared, private)
+        kv_bytes = bi.kv_cache_bytes(prompts * samples * (shared + private))
+        print(f"== {name}: {kv_bytes / 2**20:.0f} MiB of KV over the sequences", flush=True)
+        for impl in ours:
+            op = functools.partial(shared_prefix_decode_attention, implementation=impl)
+            runner.record(name, impl, "cascade", op, *args, work=kv_bytes, **shape)
+            if impl != "xla":  # the reference takes no splits
+                k = bi.prefix_splits(impl, prompts, shared + private)
+                fn = functools.partial(op, prefix_num_splits=k)
+                runner.record(
+                    name, impl, f"cascade, prefix splits {k}", fn, *args, work=kv_bytes, **shape
+                )
+            for anchor, table in (("private", private_table), ("plain", args[4])):
+                runner.record(
+                    name, anchor, impl, plain[impl], *args[:4], table, work=kv_bytes, **shape
+                )
+        del args, private_table
+    add_ratios(runner.records, ("private", "plain"))
+    return runner.records
+
+
 def write(path: Path, suite: str, records: list[dict], wall_s: float, argv: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     header = {
@@ -359,10 +400,14 @@ def main(argv: list[str] | None = None) -> None:
                 chunks = CHUNKS_SMOKE if a.smoke else CHUNKS[: 1 if a.quick else None]
                 records = run_prefill(prompts, chunks, budget_s=budget, **options)
                 columns = ["case", "impl", "variant", "ms", "tflops", "vs_cudnn-paged", "error"]
-            else:
+            elif suite == "mixed":
                 configs = MIXED_SMOKE if a.smoke else MIXED[: 1 if a.quick else None]
                 records = run_mixed(configs, budget_s=budget, **options)
                 columns = ["case", "impl", "variant", "ms", "tflops", "vs_parts", "error"]
+            else:
+                cases = SHARED_PREFIX_SMOKE if a.smoke else SHARED_PREFIX[: 1 if a.quick else None]
+                records = run_shared_prefix(cases, budget_s=budget, **options)
+                columns = ["case", "impl", "variant", "ms", "tb_s", "vs_private", "vs_plain"]
         wall_s = time.monotonic() - start
         path = Path(a.out.format(suite=suite))
         write(path, suite, records, wall_s, argv)

@@ -319,7 +319,7 @@ def _hf_anchor(args) -> dict | None:
 
 
 def _xla_option(text: str) -> tuple[str, object]:
-    """"NAME=VALUE" -> (name, value), VALUE read as a bool, an int or else a string."""
+    """ "NAME=VALUE" -> (name, value), VALUE read as a bool, an int or else a string."""
     name, sep, value = text.partition("=")
     if not sep or not name.startswith("xla_"):
         raise SystemExit(f"--xla-option takes NAME=VALUE with an xla_ NAME; got {text!r}")

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged import paged_decode_attention, ragged_paged_attention
+from jaxpaged import find_prefix_groups, paged_decode_attention, ragged_paged_attention
 from pallas_kernels.mosaic import paged_decode as mosaic_decode
 from pallas_kernels.triton import paged_decode as triton_decode
 
@@ -141,6 +141,38 @@ def jax_pallas_decode_fn(k_splits: int, interpret: bool) -> Callable:
 
 def xla_decode_fn(q, k, v, kv_lens, table):
     return paged_decode_attention(q, k, v, kv_lens, table, implementation="xla")
+
+
+def make_shared_prefix_inputs(prompts: int, samples: int, shared: int, private: int, page_size=16):
+    """`prompts * samples` decode sequences of `shared + private` tokens: each prompt's first
+    `shared` (whole pages) in pages all its samples list, then `private` of their own. Returns
+    `shared_prefix_decode_attention`'s `(q, k, v, kv_lens, table, groups)` (a group per prompt)
+    and the table of the same batch in per-sample copies of the shared pages (the same K/V)."""
+    batch, kv_len = prompts * samples, shared + private
+    pages_per_seq, num_shared = -(-kv_len // page_size), shared // page_size
+    table = np.random.default_rng(0).permutation(batch * pages_per_seq).reshape(batch, -1)
+    leaders = table[np.arange(batch) // samples * samples, :num_shared]
+    keys = jax.random.split(jax.random.key(2), 3)
+    shape = (batch * pages_per_seq, page_size, NUM_KV_HEADS, HEAD_DIM)
+    k, v = (jax.random.normal(key, shape, DTYPE) for key in keys[1:])
+    k, v = (x.at[table[:, :num_shared]].set(x[leaders]) for x in (k, v))  # the copies
+    shared_table = jnp.asarray(np.concatenate([leaders, table[:, num_shared:]], 1), jnp.int32)
+    kv_lens = jnp.full((batch,), kv_len, jnp.int32)
+    groups = find_prefix_groups(
+        shared_table, kv_lens, page_size, max_group_size=samples, min_saved_tokens=0
+    )
+    q = jax.random.normal(keys[0], (batch, NUM_Q_HEADS, HEAD_DIM), DTYPE)
+    return (q, k, v, kv_lens, shared_table, groups), jnp.asarray(table, jnp.int32)
+
+
+def prefix_splits(implementation: str, num_groups: int, max_kv_len: int) -> int:
+    """A kernel's split rule for a batch of `num_groups` sequences of up to `max_kv_len` tokens:
+    a split count for the prefix call of few groups (the default counts every slot)."""
+    if implementation == "mosaic":
+        block_kv = mosaic_decode.MosaicDecodeConfig.default(HEAD_DIM).block_kv
+        return mosaic_decode.choose_num_splits(num_groups, NUM_KV_HEADS, -(-max_kv_len // block_kv))
+    block_kv = triton_decode.DecodeConfig.default(HEAD_DIM, DTYPE).block_kv
+    return triton_decode.choose_num_splits(num_groups, NUM_KV_HEADS, max_kv_len, block_kv=block_kv)
 
 
 # Prefill and mixed batches: one ragged call over sequences of several tokens each.

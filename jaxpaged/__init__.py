@@ -8,6 +8,10 @@ Ops (one layer's page pool `k_pages, v_pages [P, page_size, Hkv, D]`):
                           one plain scatter per layer
   copy_pages              copy whole pages (a forked sequence's private last page)
   merge_attention_states  combine attention over two disjoint key sets
+Shared prefixes (cascade attention): shared_prefix_decode_attention is decode that reads the
+  pages a group of sequences shares once per group, over PrefixGroups from find_prefix_groups
+  (jittable, once per step; validate_prefix_groups checks hand-built ones on the host;
+  default_max_group_size is the largest group every backend takes).
 State: PagePool with create_pool / reserve / fork / attach / release / batch_metadata (pages
   shared between sequences are reference-counted) and retain / drop (pages held without a
   slot, as a prefix cache holds them); validate_fork checks a fork on the host.
@@ -49,11 +53,19 @@ from jaxpaged.page_pool import (
     retain,
     validate_fork,
 )
+from jaxpaged.shared_prefix import (
+    PrefixGroups,
+    default_max_group_size,
+    find_prefix_groups,
+    shared_prefix_decode_attention,
+    validate_prefix_groups,
+)
 
 __all__ = [
     "TP_AXIS",
     "PagePool",
     "PagedAttention",
+    "PrefixGroups",
     "RopeScaling",
     "StepMetadata",
     "append_kv",
@@ -63,7 +75,9 @@ __all__ = [
     "batch_metadata",
     "copy_pages",
     "create_pool",
+    "default_max_group_size",
     "drop",
+    "find_prefix_groups",
     "fork",
     "fuse_qkv",
     "kv_slots",
@@ -76,11 +90,13 @@ __all__ = [
     "release",
     "reserve",
     "retain",
+    "shared_prefix_decode_attention",
     "split_qkv",
     "tensor_parallel_size",
     "resolve_implementation",
     "validate_batch",
     "validate_fork",
+    "validate_prefix_groups",
     "write_kv",
 ]
 __version__ = "0.1.0"

@@ -22,11 +22,20 @@ from jax.sharding import PartitionSpec as P
 from jaxpaged.attention import paged_decode_attention, ragged_paged_attention
 from jaxpaged.kv_cache import append_kv, kv_slots, write_kv
 from jaxpaged.reference import token_positions
+from jaxpaged.shared_prefix import PrefixGroups, shared_prefix_decode_attention
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("kv_lens", "page_indices", "cu_q_lens", "num_seqs", "positions", "kv_slots"),
+    data_fields=(
+        "kv_lens",
+        "page_indices",
+        "cu_q_lens",
+        "num_seqs",
+        "positions",
+        "kv_slots",
+        "prefix_groups",
+    ),
     meta_fields=("decode",),
 )
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +51,10 @@ class StepMetadata:
       None: each layer then computes them again (`append_kv`).
     decode: every live sequence has exactly one token and token s belongs to sequence s
       (T == S); the layer then calls the split-KV `paged_decode_attention`.
+    prefix_groups: in a decode step, the sequences that share their first pages
+      (`jaxpaged.find_prefix_groups` over these kv_lens and page_indices); the layer then calls
+      `shared_prefix_decode_attention`, which reads those pages once per group (not under a
+      sliding window). None: no sharing.
     """
 
     kv_lens: jax.Array
@@ -51,6 +64,7 @@ class StepMetadata:
     positions: jax.Array
     kv_slots: jax.Array | None = None
     decode: bool = False
+    prefix_groups: PrefixGroups | None = None
 
     @classmethod
     def build(
@@ -333,7 +347,17 @@ def _attend(q, k, v, k_pages, v_pages, meta, *, sliding_window, implementation):
             meta.cu_q_lens,
             meta.num_seqs,
         )
-    if meta.decode:
+    if meta.decode and meta.prefix_groups is not None and sliding_window is None:
+        out = shared_prefix_decode_attention(
+            q,
+            k_pages,
+            v_pages,
+            meta.kv_lens,
+            meta.page_indices,
+            meta.prefix_groups,
+            implementation=implementation,
+        )
+    elif meta.decode:
         out = paged_decode_attention(
             q,
             k_pages,

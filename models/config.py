@@ -9,6 +9,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxpaged import RopeScaling
+from jaxpaged.shared_prefix import MIN_SAVED_TOKENS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,15 @@ class EngineConfig:
     prefix_caching: keep the full pages of computed prompts in the pool (a prefix cache,
       `models/prefix_cache.py`) and start each request whose prompt begins with the same tokens
       on them, evicting the least recently used idle pages when pages run out.
+    shared_prefix_attention: in decode steps and blocks, find the sequences that share their
+      first pages (forked samples, prefix-cache hits; `jaxpaged.find_prefix_groups`) and read
+      those pages once per group (`jaxpaged.shared_prefix_decode_attention`). Not for models
+      with a sliding window.
+    shared_prefix_min_tokens: a step takes the shared-prefix path when it saves at least this
+      many KV tokens per layer and KV head (`find_prefix_groups`' `min_saved_tokens`); other
+      steps run plain decode.
+    max_prefix_group: most sequences per group; None: the most every decode backend takes for
+      the model (`jaxpaged.default_max_group_size`).
     """
 
     page_size: int = 16
@@ -115,12 +125,24 @@ class EngineConfig:
     decode_steps: int | None = 16
     max_stop_tokens: int = 4
     prefix_caching: bool = False
+    shared_prefix_attention: bool = True
+    shared_prefix_min_tokens: int = MIN_SAVED_TOKENS
+    max_prefix_group: int | None = None
 
     def __post_init__(self):
         if self.decode_steps is not None and self.decode_steps < 1:
             raise ValueError(f"decode_steps must be None or >= 1; got {self.decode_steps}")
         if self.max_stop_tokens < 1:
             raise ValueError(f"max_stop_tokens must be >= 1; got {self.max_stop_tokens}")
+        if self.shared_prefix_min_tokens < 0:
+            raise ValueError(
+                f"shared_prefix_min_tokens must be >= 0; got {self.shared_prefix_min_tokens}"
+            )
+        if self.max_prefix_group is not None and self.max_prefix_group < 2:
+            raise ValueError(
+                f"max_prefix_group must be None or >= 2 (a group of one shares nothing); got "
+                f"{self.max_prefix_group}"
+            )
 
     @property
     def pages_per_seq(self) -> int:

@@ -4,7 +4,8 @@ continuous batching around them.
 Four jitted functions, each compiled once (all shapes come from `EngineConfig`):
   mixed   a step of T = max_tokens_per_step tokens: prefill chunks of several sequences,
           decodes riding along; attention by `ragged_paged_attention`.
-  decode  a step of one token per sequence slot; attention by `paged_decode_attention`.
+  decode  a step of one token per sequence slot; attention by `paged_decode_attention`, or,
+          where sequences share their first pages, by `shared_prefix_decode_attention`.
   block   up to `decode_steps` decode steps in one `lax.while_loop`: each step reserves its
           pages in the pool, appends K/V, samples on the device and feeds the token back;
           rows stop on the device at a stop token or their token budget.
@@ -63,11 +64,20 @@ class StepInputs(NamedTuple):
     sampling: SamplingArrays
 
 
+class PrefixSharing(NamedTuple):
+    """How decode steps and blocks group the sequences that share their first pages (static):
+    the `max_group_size` and `min_saved_tokens` of `jaxpaged.find_prefix_groups`."""
+
+    max_group_size: int
+    min_saved_tokens: int
+
+
 class StepOutputs(NamedTuple):
     tokens: jax.Array  # i32[S], each sample row's token
     logprobs: jax.Array  # f32[S], their log-probabilities (temperature 1)
     ok: jax.Array  # bool[], False: the pool could not hold the step and nothing was written
     logits: jax.Array  # f32[T, vocab] with all_logits, else f32[S, vocab] (rows' last tokens)
+    shared_prefix: jax.Array  # bool[], the step read shared prefixes once per group
 
 
 class BlockInputs(NamedTuple):
@@ -89,13 +99,17 @@ class BlockOutputs(NamedTuple):
     counts: jax.Array  # i32[S]
     steps: jax.Array  # i32[], decode steps the block ran
     ok: jax.Array  # bool[], False: it stopped at a step whose pages the pool could not hold
+    shared_prefix_steps: jax.Array  # i32[], of them, the steps that read shared prefixes once
     next: BlockInputs
 
 
 def _forward(graphdef, params, kv_pages, pool, tokens, seq_ids, cu_q_lens, num_seqs, **static):
-    """Reserve the step's pages, run the decoder, return the rows' kv_lens and final hidden
-    states: (kv_pages, pool, ok, kv_lens i32[S], hidden [T, hidden], model)."""
+    """Reserve the step's pages, run the decoder, return the step's metadata and final hidden
+    states: (kv_pages, pool, ok, meta, hidden [T, hidden], model). With `shared_prefix` (a
+    `PrefixSharing`), a decode step's metadata carries the groups of sequences that share
+    their first pages, found in the pool's page table after the reservation."""
     decode, implementation = static["decode"], static["implementation"]
+    shared_prefix = static["shared_prefix"]
     num_tokens = tokens.shape[0]
     live = jnp.arange(seq_ids.shape[0]) < num_seqs
     seq_ids = jnp.where(live, seq_ids, -1)
@@ -114,9 +128,24 @@ def _forward(graphdef, params, kv_pages, pool, tokens, seq_ids, cu_q_lens, num_s
         decode=decode,
         pool_shape=kv_pages[0][0].shape[:2],
     )
+    if decode and shared_prefix is not None:
+        groups = jaxpaged.find_prefix_groups(
+            meta.page_indices,
+            meta.kv_lens,
+            pool.page_size,
+            max_group_size=shared_prefix.max_group_size,
+            min_saved_tokens=shared_prefix.min_saved_tokens,
+        )
+        # Found once per step: the barrier keeps XLA from fusing the search into every layer.
+        meta = dataclasses.replace(meta, prefix_groups=jax.lax.optimization_barrier(groups))
     model = nnx.merge(graphdef, params)
     hidden, kv_pages = model(tokens, kv_pages, meta, implementation=implementation)
-    return kv_pages, pool, ok, kv_lens, hidden, model
+    return kv_pages, pool, ok, meta, hidden, model
+
+
+def _uses_shared_prefix(meta: jaxpaged.StepMetadata) -> jax.Array:
+    """bool[]: the step's decode attention reads shared prefixes once per group."""
+    return jnp.bool_(False) if meta.prefix_groups is None else meta.prefix_groups.use
 
 
 def model_step(
@@ -129,10 +158,12 @@ def model_step(
     decode: bool,
     all_logits: bool,
     implementation: str | None,
+    shared_prefix: PrefixSharing | None = None,
 ) -> tuple[KVPages, jaxpaged.PagePool, StepOutputs]:
     """One step of the decoder, traced by `step_function`, which jits it with `kv_pages` and
-    `pool` donated: they come back updated in place."""
-    kv_pages, pool, ok, kv_lens, hidden, model = _forward(
+    `pool` donated: they come back updated in place. A decode step with `shared_prefix` reads
+    the first pages that sequences share once per group."""
+    kv_pages, pool, ok, meta, hidden, model = _forward(
         graphdef,
         params,
         kv_pages,
@@ -143,6 +174,7 @@ def model_step(
         inputs.num_seqs,
         decode=decode,
         implementation=implementation,
+        shared_prefix=shared_prefix,
     )
     num_tokens = inputs.tokens.shape[0]
     last = jnp.clip(inputs.cu_q_lens[1:] - 1, 0, num_tokens - 1)
@@ -152,8 +184,9 @@ def model_step(
     else:
         logits = row_logits = model.logits(hidden[last])
     rows = inputs.sample_rows
-    tokens, logprobs = sample(row_logits[rows], inputs.sampling, kv_lens[rows])
-    return kv_pages, pool, StepOutputs(tokens, logprobs, ok, logits)
+    tokens, logprobs = sample(row_logits[rows], inputs.sampling, meta.kv_lens[rows])
+    outputs = StepOutputs(tokens, logprobs, ok, logits, _uses_shared_prefix(meta))
+    return kv_pages, pool, outputs
 
 
 def decode_block(
@@ -165,6 +198,7 @@ def decode_block(
     *,
     num_steps: int,
     implementation: str | None,
+    shared_prefix: PrefixSharing | None = None,
 ) -> tuple[KVPages, jaxpaged.PagePool, BlockOutputs]:
     """Up to `num_steps` decode steps in one `lax.while_loop`, traced by `block_function`.
 
@@ -173,7 +207,8 @@ def decode_block(
     stops when it samples one of its stop tokens or spends its budget; its slot then runs as
     padding (kv_len 0: no read, no write). The loop ends after `num_steps` steps, when no row is
     active, or before a step whose pages the pool cannot hold (`ok` False; that step writes
-    nothing and its samples are dropped).
+    nothing and its samples are dropped). With `shared_prefix`, each step finds the sequences
+    that share their first pages anew (`model_step`).
     """
     num_rows = inputs.tokens.shape[0]
     init = (
@@ -185,16 +220,17 @@ def decode_block(
         inputs.budgets,
         jnp.full((num_steps, num_rows), -1, jnp.int32),
         jnp.zeros((num_steps, num_rows), jnp.float32),
+        jnp.int32(0),
     )
 
     def cond(carry):
-        step, ok, _, _, _, budgets, _, _ = carry
+        step, ok, _, _, _, budgets, _, _, _ = carry
         return (step < num_steps) & ok & jnp.any(budgets > 0)
 
     def body(carry):
-        step, _, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs = carry
+        step, _, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs, shared = carry
         active = budgets > 0
-        kv_pages, pool, ok, kv_lens, hidden, model = _forward(
+        kv_pages, pool, ok, meta, hidden, model = _forward(
             graphdef,
             params,
             kv_pages,
@@ -205,8 +241,9 @@ def decode_block(
             jnp.int32(num_rows),
             decode=True,
             implementation=implementation,
+            shared_prefix=shared_prefix,
         )
-        new, logprobs = sample(model.logits(hidden), inputs.sampling, kv_lens)
+        new, logprobs = sample(model.logits(hidden), inputs.sampling, meta.kv_lens)
         live = active & ok
         budgets = jnp.where(
             live, jnp.where(is_stop(new, inputs.sampling.stop_ids), 0, budgets - 1), budgets
@@ -214,14 +251,16 @@ def decode_block(
         out_tokens = out_tokens.at[step].set(jnp.where(live, new, -1))
         out_logprobs = out_logprobs.at[step].set(jnp.where(live, logprobs, 0.0))
         tokens = jnp.where(live, new, tokens)
-        return step + ok, ok, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs
+        shared = shared + (ok & _uses_shared_prefix(meta))
+        return step + ok, ok, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs, shared
 
-    steps, ok, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs = jax.lax.while_loop(
-        cond, body, init
+    steps, ok, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs, shared = (
+        jax.lax.while_loop(cond, body, init)
     )
     counts = jnp.sum(out_tokens >= 0, axis=0, dtype=jnp.int32)
     next_inputs = inputs._replace(tokens=tokens, budgets=budgets)
-    return kv_pages, pool, BlockOutputs(out_tokens, out_logprobs, counts, steps, ok, next_inputs)
+    outputs = BlockOutputs(out_tokens, out_logprobs, counts, steps, ok, shared, next_inputs)
+    return kv_pages, pool, outputs
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_pages", "pool"))
@@ -276,9 +315,11 @@ def step_function(
     graphdef: nnx.GraphDef,
     params_treedef: jax.tree_util.PyTreeDef,
     xla_options: tuple[tuple[str, object], ...] = (),
+    shared_prefix: PrefixSharing | None = None,
 ):
     """`model_step` jitted once per model structure, taking the parameters as the flat list of
-    their leaves (the engine's step; `decode`, `all_logits` and `implementation` are static).
+    their leaves (the engine's step; `decode`, `all_logits` and `implementation` are static,
+    `shared_prefix` is bound here).
 
     Dispatch hashes a jitted function's static arguments and flattens its pytree arguments on
     every call: the GraphDef of the 1B decoder took milliseconds to hash as a static argument
@@ -287,7 +328,9 @@ def step_function(
 
     def step(param_leaves, kv_pages, pool, inputs, **static):
         params = jax.tree.unflatten(params_treedef, param_leaves)
-        return model_step(graphdef, params, kv_pages, pool, inputs, **static)
+        return model_step(
+            graphdef, params, kv_pages, pool, inputs, shared_prefix=shared_prefix, **static
+        )
 
     return jax.jit(
         step,
@@ -302,14 +345,18 @@ def block_function(
     graphdef: nnx.GraphDef,
     params_treedef: jax.tree_util.PyTreeDef,
     xla_options: tuple[tuple[str, object], ...] = (),
+    shared_prefix: PrefixSharing | None = None,
 ):
     """`decode_block` jitted as `step_function` jits `model_step` (`num_steps` and
-    `implementation` static, pages, pool and inputs donated: a chain of blocks then runs on
-    the same buffers, which the GPU's command buffers record by address)."""
+    `implementation` static, `shared_prefix` bound here, pages, pool and inputs donated: a
+    chain of blocks then runs on the same buffers, which the GPU's command buffers record by
+    address)."""
 
     def block(param_leaves, kv_pages, pool, inputs, **static):
         params = jax.tree.unflatten(params_treedef, param_leaves)
-        return decode_block(graphdef, params, kv_pages, pool, inputs, **static)
+        return decode_block(
+            graphdef, params, kv_pages, pool, inputs, shared_prefix=shared_prefix, **static
+        )
 
     return jax.jit(
         block,
@@ -345,7 +392,9 @@ class Stats:
     host reads also counts the pages of the rows that finished in that one, whose release waits
     for it on the device. Those are the moments the pool is at its fullest, so it equals the
     most used pages the pool's refcounts ever show, while the scheduler's counts are the pool's
-    (a step, block or fork the pool refused says they were not)."""
+    (a step, block or fork the pool refused says they were not). `shared_prefix_steps` counts
+    the decode steps whose attention read the first pages that sequences share once per group
+    (`EngineConfig.shared_prefix_attention`)."""
 
     prefill_tokens: int = 0
     prefill_time: float = 0.0
@@ -367,6 +416,7 @@ class Stats:
     prefix_hit_pages: int = 0
     prefix_evicted_pages: int = 0
     peak_pages: int = 0
+    shared_prefix_steps: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -397,7 +447,8 @@ class Engine:
     `overlap`: enqueue the next decode block before reading the current one's tokens (the
     default); False syncs after every block. `mesh`: a tensor-parallel mesh
     (`models.parallel.make_mesh`); the parameters and KV pages are placed split over it, the
-    pool replicated, and every step runs under it (`jax.set_mesh`).
+    pool replicated, and every step runs under it (`jax.set_mesh`). `prefix_sharing` is the
+    `PrefixSharing` of the decode steps and blocks (None: plain decode).
     """
 
     def __init__(
@@ -443,13 +494,16 @@ class Engine:
             return step_xla_options(num_tokens, decode=decode)
 
         decode_options = options(self.decode_rows, True)
+        self.prefix_sharing = self._prefix_sharing(model)
+        # Without sharing, no argument: the cached function of a call that does not name it.
+        sharing = () if self.prefix_sharing is None else (self.prefix_sharing,)
         self._step_fns = {
-            True: step_function(self.graphdef, treedef, decode_options),
+            True: step_function(self.graphdef, treedef, decode_options, *sharing),
             False: step_function(
                 self.graphdef, treedef, options(config.max_tokens_per_step, False)
             ),
         }
-        self._block_fn = block_function(self.graphdef, treedef, decode_options)
+        self._block_fn = block_function(self.graphdef, treedef, decode_options, *sharing)
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(
@@ -469,6 +523,26 @@ class Engine:
         # Pages whose release the host enqueued after the decode block in flight: held till it
         # ends.
         self._released_after_block = 0
+
+    def _prefix_sharing(self, model: Decoder) -> PrefixSharing | None:
+        """The decode steps' `PrefixSharing`. None (plain decode, and no shared-prefix path
+        compiled) when it is off, under a sliding window (each query sees its own keys), when
+        the backends take no group of two for the model, or when no step can save
+        `shared_prefix_min_tokens`: a step saves at most `(max_seqs - 1) * (pages_per_seq -
+        1) * page_size` tokens (all slots in one group, sharing all pages but the last)."""
+        config, model_config = self.config, model.config
+        size = config.max_prefix_group or jaxpaged.default_max_group_size(
+            model_config.num_q_heads, model_config.num_kv_heads
+        )
+        most_saved = (config.max_seqs - 1) * (config.pages_per_seq - 1) * config.page_size
+        if (
+            not config.shared_prefix_attention
+            or model_config.sliding_window is not None
+            or size < 2
+            or most_saved < config.shared_prefix_min_tokens
+        ):
+            return None
+        return PrefixSharing(size, config.shared_prefix_min_tokens)
 
     def step_fn(self, decode: bool):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
@@ -573,7 +647,9 @@ class Engine:
                 implementation=self.implementation,
             )
         self.stats.dispatch_time += time.perf_counter() - start
-        tokens, logprobs, ok = jax.device_get((out.tokens, out.logprobs, out.ok))
+        tokens, logprobs, ok, shared = jax.device_get(
+            (out.tokens, out.logprobs, out.ok, out.shared_prefix)
+        )
         self._check_pool_updates()
         elapsed = time.perf_counter() - start
         self.stats.steps += 1
@@ -584,6 +660,7 @@ class Engine:
         if record_prompt_logits:
             self._record_logits(plan, np.asarray(out.logits))
         self._count(plan, elapsed)
+        self.stats.shared_prefix_steps += int(shared)
         page_table = None
         if self.scheduler.cache is not None and any(
             c.start < c.seq.prompt_len for c in plan.chunks
@@ -647,14 +724,14 @@ class Engine:
                 implementation=self.implementation,
             )
         self.stats.dispatch_time += time.perf_counter() - start
-        for x in (out.tokens, out.logprobs, out.counts, out.steps, out.ok):
+        for x in (out.tokens, out.logprobs, out.counts, out.steps, out.ok, out.shared_prefix_steps):
             x.copy_to_host_async()
         return out
 
     def _finish_block(self, block: _Block) -> list[Sequence]:
         out = block.out
-        tokens, logprobs, counts, steps, ok = jax.device_get(
-            (out.tokens, out.logprobs, out.counts, out.steps, out.ok)
+        tokens, logprobs, counts, steps, ok, shared = jax.device_get(
+            (out.tokens, out.logprobs, out.counts, out.steps, out.ok, out.shared_prefix_steps)
         )
         self._check_pool_updates()
         now = time.perf_counter()
@@ -664,6 +741,7 @@ class Engine:
         self.stats.decode_steps += int(steps)
         self.stats.decode_tokens += int(counts.sum())
         self.stats.decode_time += elapsed
+        self.stats.shared_prefix_steps += int(shared)
         self._last_block_failed = not ok
         self.stats.cut_blocks += not ok
         if not ok and steps == 0:

@@ -1,5 +1,7 @@
 """`jaxpaged.PagedAttention` against dense causal attention computed in float64 numpy."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,6 +167,35 @@ def test_decode_step_equals_ragged_step(backend):
     np.testing.assert_allclose(np.asarray(dec[:3]), np.asarray(ragged[:3]), atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(k_d), np.asarray(k_r))
     np.testing.assert_array_equal(np.asarray(v_d), np.asarray(v_r))
+
+
+def test_decode_step_under_a_sliding_window_ignores_prefix_groups():
+    """Decode metadata with `prefix_groups` (two slots that share their first two pages) under
+    a sliding window: each query has its own window, so the layer runs plain decode (the
+    shared-prefix op takes no window; `tests/test_shared_prefix.py` runs it in the engine)."""
+    rng = np.random.default_rng(4)
+    layer = jaxpaged.PagedAttention(HIDDEN, HQ, HKV, D, sliding_window=8, rngs=nnx.Rngs(5))
+    kv_lens = jnp.asarray([40, 35, 17, 0], jnp.int32)  # the last slot is inactive
+    table = jnp.asarray([[0, 1, 2], [0, 1, 3], [4, 5, -1], [-1, -1, -1]], jnp.int32)
+    shape = (6, PAGE, HKV, D)
+    k_pages = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    v_pages = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, HIDDEN)), jnp.float32)
+    meta = jaxpaged.StepMetadata.build(
+        kv_lens, table, jnp.arange(5, dtype=jnp.int32), 3, num_tokens=4, decode=True
+    )
+    groups = jaxpaged.find_prefix_groups(
+        table, meta.kv_lens, PAGE, max_group_size=2, min_saved_tokens=1
+    )
+    assert bool(groups.use) and np.asarray(groups.shared_pages)[0] == 2
+    results = [
+        layer(x, k_pages.copy(), v_pages.copy(), m, implementation="xla")
+        for m in (meta, dataclasses.replace(meta, prefix_groups=groups))
+    ]
+    (plain, k_p, v_p), (shared, k_s, v_s) = results
+    np.testing.assert_allclose(np.asarray(shared[:3]), np.asarray(plain[:3]), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(k_s), np.asarray(k_p))
+    np.testing.assert_array_equal(np.asarray(v_s), np.asarray(v_p))
 
 
 def test_step_metadata_positions():

@@ -183,11 +183,27 @@ def test_checkpoint_is_placed_on_the_mesh(tmp_path):
 
 @needs_host_devices
 def test_n_samples_on_a_mesh():
-    """The forks of n-sample requests (pages split by KV head) give one device's samples."""
+    """The forks of n-sample requests (pages split by KV head) give one device's samples, with
+    their decode attention reading the shared prompt pages once per group (each device its
+    heads of the groups' queries); the decode blocks still have only the projections'
+    all-reduces."""
     params = SamplingParams(8, 0.9, seed=4, n=3)
     ref = _engine(None).generate(PROMPTS, params)
-    split = _engine(2)
+    split = _engine(2, shared_prefix_min_tokens=1)
     seqs = split.generate(PROMPTS, params)
     assert split.stats.forked_samples == 2 * len(PROMPTS)
+    assert split.stats.shared_prefix_steps > 0
+    [seq] = [split.add_request(PROMPTS[0], SamplingParams(4))]
+    with split._calling():
+        block = split.block_fn.lower(
+            split.param_leaves,
+            split.kv_pages,
+            split.pool,
+            split._block_inputs([seq]),
+            num_steps=ENGINE.decode_steps,
+            implementation="xla",
+        )
+        expected = collections.Counter({"all-reduce": 2 * CONFIG.num_layers})
+        assert _collectives(block.compile().as_text()) == expected
     for seq, want in zip(seqs, ref, strict=True):
         assert [s.output for s in seq.samples] == [s.output for s in want.samples]
