@@ -495,15 +495,22 @@ class Engine:
 
         decode_options = options(self.decode_rows, True)
         self.prefix_sharing = self._prefix_sharing(model)
-        # Without sharing, no argument: the cached function of a call that does not name it.
-        sharing = () if self.prefix_sharing is None else (self.prefix_sharing,)
-        self._step_fns = {
-            True: step_function(self.graphdef, treedef, decode_options, *sharing),
-            False: step_function(
-                self.graphdef, treedef, options(config.max_tokens_per_step, False)
-            ),
-        }
-        self._block_fn = block_function(self.graphdef, treedef, decode_options, *sharing)
+        # Decode steps and blocks come in two kinds: plain, and with the shared-prefix path
+        # (when `prefix_sharing` is set); each call takes the plain one unless the scheduler
+        # says that running sequences share pages, so a batch without sharing pays nothing for
+        # the path (its lax.cond per layer and the group search per step). Without sharing, no
+        # argument: the cached function of a call that does not name it.
+        plain_decode = step_function(self.graphdef, treedef, decode_options)
+        plain_block = block_function(self.graphdef, treedef, decode_options)
+        self._decode_fns = {False: plain_decode, True: plain_decode}
+        self._block_fns = {False: plain_block, True: plain_block}
+        if self.prefix_sharing is not None:
+            sharing = self.prefix_sharing
+            self._decode_fns[True] = step_function(self.graphdef, treedef, decode_options, sharing)
+            self._block_fns[True] = block_function(self.graphdef, treedef, decode_options, sharing)
+        self._mixed_fn = step_function(
+            self.graphdef, treedef, options(config.max_tokens_per_step, False)
+        )
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(
@@ -544,18 +551,30 @@ class Engine:
             return None
         return PrefixSharing(size, config.shared_prefix_min_tokens)
 
-    def step_fn(self, decode: bool):
+    def step_fn(self, decode: bool, shared_prefix: bool = True):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
         *, decode, all_logits, implementation) -> (kv_pages, pool, StepOutputs)`, pages and
-        pool donated."""
-        return self._step_fns[decode]
+        pool donated. A decode step has the shared-prefix path when `prefix_sharing` is set,
+        unless `shared_prefix` is False."""
+        return self._decode_fns[shared_prefix] if decode else self._mixed_fn
 
     @property
     def block_fn(self):
         """The jitted decode block: `block_fn(param_leaves, kv_pages, pool, inputs, *,
         num_steps, implementation) -> (kv_pages, pool, BlockOutputs)`, pages, pool and inputs
-        donated."""
-        return self._block_fn
+        donated; with the shared-prefix path when `prefix_sharing` is set (`plain_block_fn`:
+        without)."""
+        return self._block_fns[True]
+
+    @property
+    def plain_block_fn(self):
+        """The decode block without the shared-prefix path."""
+        return self._block_fns[False]
+
+    def _shares_pages(self) -> bool:
+        """Whether the next decode step or block should take the shared-prefix path: set, and
+        running sequences may share pages (`Scheduler.may_share_pages`)."""
+        return self.prefix_sharing is not None and self.scheduler.may_share_pages()
 
     @contextlib.contextmanager
     def _calling(self):
@@ -637,7 +656,8 @@ class Engine:
         inputs = self._inputs(plan)
         start = time.perf_counter()
         with self._calling():
-            self.kv_pages, self.pool, out = self.step_fn(plan.decode)(
+            fn = self.step_fn(plan.decode, shared_prefix=self._shares_pages())
+            self.kv_pages, self.pool, out = fn(
                 self.param_leaves,
                 self.kv_pages,
                 self.pool,
@@ -715,7 +735,7 @@ class Engine:
     def _launch_block(self, inputs: BlockInputs) -> BlockOutputs:
         start = time.perf_counter()
         with self._calling():
-            self.kv_pages, self.pool, out = self.block_fn(
+            self.kv_pages, self.pool, out = self._block_fns[self._shares_pages()](
                 self.param_leaves,
                 self.kv_pages,
                 self.pool,

@@ -39,6 +39,7 @@ class PrefixCache:
         self._key: dict[int, bytes] = {}
         self._users: dict[int, int] = {}
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._num_shared = 0  # pages used by two or more running sequences
 
     @property
     def num_pages(self) -> int:
@@ -52,6 +53,11 @@ class PrefixCache:
     def num_idle(self) -> int:
         """The cached pages no running sequence uses: what `evict` can free."""
         return len(self._idle)
+
+    @property
+    def num_shared(self) -> int:
+        """The cached pages that two or more running sequences use."""
+        return self._num_shared
 
     def is_idle(self, page: int) -> bool:
         return page in self._idle
@@ -70,6 +76,7 @@ class PrefixCache:
         """A sequence starts using the cached `pages`."""
         for page in pages:
             self._users[page] += 1
+            self._num_shared += self._users[page] == 2
             self._idle.pop(page, None)
 
     def unuse(self, pages: Seq[int]) -> None:
@@ -78,6 +85,7 @@ class PrefixCache:
         share, are evicted before the pages they extend."""
         for page in reversed(pages):
             self._users[page] -= 1
+            self._num_shared -= self._users[page] == 1
             if self._users[page] == 0:
                 self._idle[page] = None
 

@@ -250,6 +250,13 @@ class Scheduler:
     def _pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def may_share_pages(self) -> bool:
+        """Whether two running sequences hold the same pages: samples of one request still
+        holding their fork's pages together, or cached pages that two running sequences use.
+        The engine's decode takes its shared-prefix path only then."""
+        forked = any(g.holders > 1 for g in self._shared.values())
+        return forked or (self.cache is not None and self.cache.num_shared > 0)
+
     def num_held_pages(self) -> int:
         """The pages the running sequences and the prefix cache hold, each counted once."""
         held = sum(self._pages(s.num_cached) - len(self._cached.get(s, ())) for s in self.running)

@@ -44,3 +44,18 @@ def test_idle_pages_are_evicted_least_recently_used_deepest_first():
     assert cache.num_pages == 0
     with pytest.raises(KeyError):
         cache.evict()
+
+
+def test_num_shared_counts_pages_two_running_sequences_use():
+    cache = PrefixCache()
+    for key, page in ((b"a", 5), (b"b", 6)):
+        assert cache.insert(key, page)  # used by the sequence that computed it
+    assert cache.num_shared == 0
+    cache.use([5, 6])  # a hit on both pages
+    cache.use([5])  # and another on the first
+    assert cache.num_shared == 2
+    cache.unuse([5, 6])
+    assert cache.num_shared == 1
+    cache.unuse([5])
+    cache.unuse([5, 6])  # the computing sequence ends: both idle
+    assert cache.num_shared == 0 and cache.num_idle == 2

@@ -408,3 +408,26 @@ def test_engine_takes_the_shared_prefix_path_only_where_it_can_pay():
         EngineConfig(shared_prefix_min_tokens=-1)
     with pytest.raises(ValueError, match="max_prefix_group must be None or >= 2"):
         EngineConfig(max_prefix_group=1)
+
+
+def test_engine_takes_the_shared_prefix_path_only_while_sequences_share_pages():
+    """Decode blocks of requests that share no page run the plain block (no group search, no
+    conditional per layer); n-sample requests run the shared-prefix block."""
+    engine = _engine("xla", decode_steps=8, prefix_caching=True, **SHARING)
+    calls = {False: 0, True: 0}
+
+    def counted(shared, fn):
+        def call(*args, **kwargs):
+            calls[shared] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    engine._block_fns = {k: counted(k, fn) for k, fn in engine._block_fns.items()}
+    alone = SamplingParams(12, 0.9, seed=3)
+    with jaxpaged.quiet_triton_deprecation():
+        engine.generate([_prompt(21, 80), _prompt(30, 81)], alone)
+        assert calls[False] > 0 and calls[True] == 0
+        seqs = engine.generate(SHARED_PROMPTS, SHARED_PARAMS[True])
+    assert calls[True] > 0 and engine.stats.shared_prefix_steps > 0
+    _assert_same(_all_samples(seqs), _separate_reference("xla", True))
