@@ -143,30 +143,19 @@ def merge_partial_states(
 ) -> tuple[jax.Array, jax.Array]:
     """Merge normalized partial outputs `outs` [..., D] with their LSEs `lses` [...] along
     `axis` (of `lses`; `outs` has one trailing dim more). Empty partials (LSE -inf) are the
-    identity; all-empty gives output 0 and LSE -inf. Computes in float32.
-
-    One variadic reduction of (running max, weight, weighted output) states with the online
-    softmax's combine, so that XLA compiles the merge into one kernel: the two-pass form (the
-    max first, then the weighted sum) is two or more, whose launches are a visible part of a
-    long-context decode at batch 1.
-    """
+    identity; all-empty gives output 0 and LSE -inf. Computes in float32."""
     outs = outs.astype(jnp.float32)
-    lses = jnp.broadcast_to(lses.astype(jnp.float32)[..., None], outs.shape)
-
-    def combine(a, b):
-        (m_a, w_a, o_a), (m_b, w_b, o_b) = a, b
-        m = jnp.maximum(m_a, m_b)
-        # An empty state (max -inf) scales by 0, and its output (maybe NaN) is not read.
-        s_a = jnp.where(m_a == -jnp.inf, 0.0, jnp.exp(m_a - m))
-        s_b = jnp.where(m_b == -jnp.inf, 0.0, jnp.exp(m_b - m))
-        o = jnp.where(s_a > 0, o_a * s_a, 0.0) + jnp.where(s_b > 0, o_b * s_b, 0.0)
-        return m, w_a * s_a + w_b * s_b, o
-
-    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
-    m, w, o = lax.reduce((lses, jnp.ones_like(outs), outs), init, combine, (axis,))
-    empty = w == 0.0
-    out = o / jnp.where(empty, 1.0, w)
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, w)))[..., 0]
+    lses = lses.astype(jnp.float32)
+    m = jnp.max(lses, axis=axis, keepdims=True)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lses - m_safe)
+    denom = jnp.sum(w, axis=axis)
+    empty = denom == 0.0
+    weighted = jnp.sum(jnp.where(w[..., None] > 0, w[..., None] * outs, 0.0), axis=axis)
+    out = weighted / jnp.where(empty, 1.0, denom)[..., None]
+    lse = jnp.where(
+        empty, -jnp.inf, jnp.squeeze(m_safe, axis) + jnp.log(jnp.where(empty, 1.0, denom))
+    )
     return out, lse
 
 
