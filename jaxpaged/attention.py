@@ -105,17 +105,22 @@ def _check_kv(q, k_pages, v_pages, kv_lens, page_indices) -> None:
         )
     if k_pages.shape[0] == 0 or k_pages.shape[1] == 0:
         raise ValueError(f"k_pages must hold at least one page of one slot; got {k_pages.shape}")
+    _check_table(kv_lens, page_indices)
+    if kv_lens.shape[0] == 0 or page_indices.shape[1] == 0:
+        raise ValueError(
+            f"need at least one sequence slot and one page per sequence; got page_indices "
+            f"shape {page_indices.shape}"
+        )
+
+
+def _check_table(kv_lens, page_indices) -> None:
+    """kv_lens i32[S] and page_indices i32[S, pages_per_seq], one row per sequence."""
     _check_index("kv_lens", kv_lens, 1)
     _check_index("page_indices", page_indices, 2)
     if page_indices.shape[0] != kv_lens.shape[0]:
         raise ValueError(
             f"page_indices must have one row per sequence: shape[0] {page_indices.shape[0]} "
             f"!= len(kv_lens) {kv_lens.shape[0]}"
-        )
-    if kv_lens.shape[0] == 0 or page_indices.shape[1] == 0:
-        raise ValueError(
-            f"need at least one sequence slot and one page per sequence; got page_indices "
-            f"shape {page_indices.shape}"
         )
 
 

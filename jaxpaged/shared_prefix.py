@@ -29,6 +29,7 @@ from jaxpaged.attention import (
     _check_index,
     _check_kv,
     _check_options,
+    _check_table,
     merge_attention_states,
     paged_decode_attention,
     resolve_implementation,
@@ -139,13 +140,7 @@ def find_prefix_groups(
     Returns:
       `PrefixGroups` with S groups of up to `max_group_size` members.
     """
-    _check_index("page_indices", page_indices, 2)
-    _check_index("kv_lens", kv_lens, 1)
-    if page_indices.shape[0] != kv_lens.shape[0]:
-        raise ValueError(
-            f"page_indices must have one row per sequence: shape[0] {page_indices.shape[0]} "
-            f"!= len(kv_lens) {kv_lens.shape[0]}"
-        )
+    _check_table(kv_lens, page_indices)
     for name, value, least in (
         ("page_size", page_size, 1),
         ("max_group_size", max_group_size, 1),
