@@ -7,7 +7,7 @@ EXTRAS := test$(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,cuda)
 DEMO_ARGS ?= --config tiny --prompt-len 100 --chunk-size 32 --max-new-tokens 16
 TEST_ARGS ?=
 # Test processes side by side (pytest-xdist), each test file in one of them: on CI's two cores
-# the suite took 9.2 minutes against 14+ in one process, and no process accumulates every
+# the suite took 9-11 minutes against 14+ in one process, and no process accumulates every
 # file's compiled programs (one process for the whole suite crashed inside XLA's CPU compiler
 # near its end, session 10).
 TEST_WORKERS ?= 2
