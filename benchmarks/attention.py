@@ -50,6 +50,7 @@ from benchmarks import inputs as bi
 from benchmarks.common import L2_BYTES, Runner, environment, error_text, kernel_time_ms, print_table
 from benchmarks.inputs import Batch, DecodeCase
 from jaxpaged import quiet_triton_deprecation, shared_prefix_decode_attention
+from jaxpaged.shared_prefix import default_prefix_splits
 from pallas_kernels.common import H200_NUM_SMS
 
 SUITES = ("decode", "prefill", "mixed", "shared_prefix")
@@ -340,12 +341,14 @@ def run_shared_prefix(cases, *, interpret: bool, budget_s: float, iterations: in
         for impl in ours:
             op = functools.partial(shared_prefix_decode_attention, implementation=impl)
             runner.record(name, impl, "cascade", op, *args, work=kv_bytes, **shape)
-            if impl != "xla":  # the reference takes no splits
-                k = bi.prefix_splits(impl, prompts, shared + private)
-                fn = functools.partial(op, prefix_num_splits=k)
-                runner.record(
-                    name, impl, f"cascade, prefix splits {k}", fn, *args, work=kv_bytes, **shape
+            if impl != "xla":  # the reference takes no splits; the default's neighbours
+                k = default_prefix_splits(
+                    impl, prompts, bi.NUM_KV_HEADS, shared + private, bi.HEAD_DIM, bi.DTYPE
                 )
+                for splits in sorted({max(1, k // 2), 2 * k}):
+                    fn = functools.partial(op, prefix_num_splits=splits)
+                    variant = f"cascade, prefix splits {splits}"
+                    runner.record(name, impl, variant, fn, *args, work=kv_bytes, **shape)
             for anchor, table in (("private", private_table), ("plain", args[4])):
                 runner.record(
                     name, anchor, impl, plain[impl], *args[:4], table, work=kv_bytes, **shape

@@ -232,7 +232,9 @@ def _dense_decode_tokens_per_s(model, prompts: np.ndarray, max_len: int, new_tok
     return prompts.shape[0] * len(steady) / sum(steady)
 
 
-def _decode_part(engine: Engine, prompts, params: SamplingParams, profile: bool = False) -> dict:
+def _decode_part(
+    engine: Engine, prompts, params: SamplingParams, profile: bool = False, top: int = 12
+) -> dict:
     """Generate from `prompts` and time only what follows their prefill: the decode steps or
     blocks, engine wall time from the first decode launch to the last sync. With `profile`,
     also their CUPTI kernels per decode step."""
@@ -257,17 +259,18 @@ def _decode_part(engine: Engine, prompts, params: SamplingParams, profile: bool 
         dispatch_ms_per_step=1e3 * (engine.stats.dispatch_time - stats.dispatch_time) / steps,
     )
     if profile:
-        result.update(_kernel_summary(mosaic_gpu._mosaic_gpu_ext._cupti_get_timings(True), steps))
+        timings = mosaic_gpu._mosaic_gpu_ext._cupti_get_timings(True)
+        result.update(_kernel_summary(timings, steps, top))
     return result
 
 
-def _kernel_summary(timings, steps: int) -> dict:
+def _kernel_summary(timings, steps: int, top: int = 12) -> dict:
     by_kind: dict[str, float] = {}
     by_name: dict[str, list[float]] = {}
     for name, ms in timings:
         by_kind[_kernel_kind(name)] = by_kind.get(_kernel_kind(name), 0.0) + ms
         by_name.setdefault(name, []).append(ms)
-    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:12]
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
     return dict(
         gpu_ms_per_step=sum(by_kind.values()) / steps,
         gpu_ms_per_step_by_kind={k: v / steps for k, v in sorted(by_kind.items())},
@@ -340,6 +343,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--batch-prompts", type=int, default=16, help="0: no batch prefill")
     parser.add_argument("--profile", action="store_true", help="CUPTI GPU time per step")
+    parser.add_argument(
+        "--top-kernels", type=int, default=12, help="with --profile: the costliest kernels listed"
+    )
     parser.add_argument(
         "--xla-defaults",
         action="store_true",
@@ -432,7 +438,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         case.update(_decode_part(engine, prompts.tolist(), params))
         case["block_ms"] = case["wall_ms_per_step"] * engine.config.decode_steps
         if args.profile:
-            profiled = _decode_part(engine, prompts.tolist(), params, profile=True)
+            profiled = _decode_part(
+                engine, prompts.tolist(), params, profile=True, top=args.top_kernels
+            )
             case.update({k: v for k, v in profiled.items() if k not in case})
             case["wall_over_gpu"] = case["wall_ms_per_step"] / case["gpu_ms_per_step"]
         floor_bytes = _step_bytes(model.config, batch, args.ctx + args.new_tokens // 2)

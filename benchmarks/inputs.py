@@ -165,16 +165,6 @@ def make_shared_prefix_inputs(prompts: int, samples: int, shared: int, private: 
     return (q, k, v, kv_lens, shared_table, groups), jnp.asarray(table, jnp.int32)
 
 
-def prefix_splits(implementation: str, num_groups: int, max_kv_len: int) -> int:
-    """A kernel's split rule for a batch of `num_groups` sequences of up to `max_kv_len` tokens:
-    a split count for the prefix call of few groups (the default counts every slot)."""
-    if implementation == "mosaic":
-        block_kv = mosaic_decode.MosaicDecodeConfig.default(HEAD_DIM).block_kv
-        return mosaic_decode.choose_num_splits(num_groups, NUM_KV_HEADS, -(-max_kv_len // block_kv))
-    block_kv = triton_decode.DecodeConfig.default(HEAD_DIM, DTYPE).block_kv
-    return triton_decode.choose_num_splits(num_groups, NUM_KV_HEADS, max_kv_len, block_kv=block_kv)
-
-
 # Prefill and mixed batches: one ragged call over sequences of several tokens each.
 
 

@@ -96,6 +96,34 @@ def default_max_group_size(num_q_heads: int, num_kv_heads: int) -> int:
     return size
 
 
+def default_prefix_splits(
+    implementation: str, num_groups: int, num_kv_heads: int, max_kv_len: int, head_dim: int, dtype
+) -> int | None:
+    """The KV splits per group of the prefix call when `prefix_num_splits` is None: the decode
+    kernel's own rule (`choose_num_splits` of "mosaic" or "triton") for a batch of `num_groups`
+    sequences of up to `max_kv_len` tokens. `shared_prefix_decode_attention` passes
+    ceil(S / max_group_size) groups, the count when every sequence is in a full group: the
+    kernel's rule for the call's static S slots would count the empty slots as busy and give
+    a handful of long groups one program per KV head. None for backends without splits."""
+    if implementation == "mosaic":
+        from pallas_kernels.common import device_num_sms
+        from pallas_kernels.mosaic import common, paged_decode
+
+        steps = -(-max_kv_len // common.default_block_kv(head_dim))
+        return paged_decode.choose_num_splits(
+            num_groups, num_kv_heads, steps, num_sms=device_num_sms()
+        )
+    if implementation == "triton":
+        from pallas_kernels.common import device_num_sms
+        from pallas_kernels.triton import paged_decode
+
+        block_kv = paged_decode.DecodeConfig.default(head_dim, dtype).block_kv
+        return paged_decode.choose_num_splits(
+            num_groups, num_kv_heads, max_kv_len, block_kv=block_kv, num_sms=device_num_sms()
+        )
+    return None
+
+
 def find_prefix_groups(
     page_indices: jax.Array,
     kv_lens: jax.Array,
@@ -335,9 +363,8 @@ def shared_prefix_decode_attention(
         by `validate_prefix_groups`).
       sliding_window: must be None: each query has its own window, so a group's queries do not
         see the same keys. (`PagedAttention` runs plain decode under a window.)
-      prefix_num_splits: KV splits per group in the prefix call; None: the backend's rule for
-        its static shape, which counts all S group slots as busy (with few groups of long
-        prefixes, more splits can fill more SMs).
+      prefix_num_splits: KV splits per group in the prefix call; None:
+        `default_prefix_splits` for ceil(S / max_group_size) groups.
 
     Returns:
       `out` [S, Hq, D] in q's dtype, and `lse` f32[S, Hq] when `return_lse`; inactive slots
@@ -390,6 +417,15 @@ def shared_prefix_decode_attention(
             f"{groups.max_group_size}: use default_max_group_size(Hq, Hkv) or "
             "implementation='triton'"
         )
+    if prefix_num_splits is None:
+        prefix_num_splits = default_prefix_splits(
+            name,
+            -(-q.shape[0] // groups.max_group_size),
+            num_kv_heads,
+            page_indices.shape[1] * page_size,
+            q.shape[-1],
+            q.dtype,
+        )
     options = dict(
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
@@ -435,35 +471,54 @@ def _cascade(
     size, group = groups.max_group_size, num_q_heads // num_kv_heads
     slot = functools.partial(jnp.clip, min=0, max=num_seq_slots - 1)
 
-    # Prefix: group g's members' queries as the rows of each KV head, over member 0's pages.
+    # The prefix call runs over the nonempty groups only, packed into the first of
+    # `num_group_slots` slots (a group has at least two members, so there are at most S / 2):
+    # the kernel's empty items and the split partials of empty slots cost time.
     members = groups.members
     present = (members >= 0) & (members < num_seq_slots)
-    member_q = jnp.where(present[:, :, None, None], q[slot(members)], 0)  # [S, n, Hq, D]
-    prefix_q = (
-        member_q.reshape(num_seq_slots, size, num_kv_heads, group, head_dim)
-        .transpose(0, 2, 1, 3, 4)
-        .reshape(num_seq_slots, num_kv_heads * size * group, head_dim)
-    )
     shared = jnp.where(present[:, 0], jnp.clip(groups.shared_pages, 0, pages_per_seq), 0)
+    num_group_slots = max(1, num_seq_slots // 2)
+    nonempty = shared > 0
+    packed = jnp.where(nonempty, jnp.cumsum(nonempty) - 1, num_group_slots)  # per group slot
+    group_slot = (
+        jnp.full((num_group_slots,), -1, jnp.int32)
+        .at[packed]
+        .set(jnp.arange(num_seq_slots, dtype=jnp.int32), mode="drop")
+    )
+    packed_members = jnp.where(group_slot[:, None] >= 0, members[slot(group_slot)], -1)
+    packed_present = (packed_members >= 0) & (packed_members < num_seq_slots)
+    packed_shared = jnp.where(group_slot >= 0, shared[slot(group_slot)], 0)
+
+    # Prefix: each group's members' queries as the rows of each KV head, over member 0's pages.
+    member_q = jnp.where(
+        packed_present[:, :, None, None], q[slot(packed_members)], 0
+    )  # [num_group_slots, n, Hq, D]
+    prefix_q = (
+        member_q.reshape(num_group_slots, size, num_kv_heads, group, head_dim)
+        .transpose(0, 2, 1, 3, 4)
+        .reshape(num_group_slots, num_kv_heads * size * group, head_dim)
+    )
     prefix_out, prefix_lse = decode(
         prefix_q,
         k_pages,
         v_pages,
-        shared * page_size,
-        page_indices[slot(members[:, 0])],
+        packed_shared * page_size,
+        page_indices[slot(packed_members[:, 0])],
         num_splits=prefix_num_splits,
     )
-    # Back to sequences: rows (h, rank_of[s], :) of group group_of[s] are sequence s's.
+    # Back to sequences: rows (h, rank_of[s], :) of packed group packed[group_of[s]] are s's.
     g, r = slot(groups.group_of), jnp.clip(groups.rank_of, 0, size - 1)
+    p = jnp.clip(packed[g], 0, num_group_slots - 1)
     mine = (
         (groups.group_of >= 0)
         & (groups.group_of < num_seq_slots)
         & (groups.rank_of >= 0)
         & (groups.rank_of < size)
         & (members[g, r] == jnp.arange(num_seq_slots))
+        & (packed[g] < num_group_slots)
     )
-    prefix_out = prefix_out.reshape(num_seq_slots, num_kv_heads, size, group, head_dim)[g, :, r]
-    prefix_lse = prefix_lse.reshape(num_seq_slots, num_kv_heads, size, group)[g, :, r]
+    prefix_out = prefix_out.reshape(num_group_slots, num_kv_heads, size, group, head_dim)[p, :, r]
+    prefix_lse = prefix_lse.reshape(num_group_slots, num_kv_heads, size, group)[p, :, r]
     prefix_lse = jnp.where(mine[:, None], prefix_lse.reshape(num_seq_slots, num_q_heads), -jnp.inf)
 
     # Suffix: each sequence's page table shifted past its shared pages.

@@ -177,6 +177,38 @@ def test_cascade_equals_plain_decode(backend, num_q_heads, num_kv_heads, size, d
     _assert_equal_to_plain(plain, decode(empty), dtype)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cascade_beyond_its_packed_group_slots_reads_the_rest_as_suffix(backend):
+    """The prefix call packs the nonempty groups into S / 2 slots (a valid descriptor has no
+    more). A hand-built one with a "group" of one member per active slot, each sharing its
+    own shareable pages, has 11 of them for 6 slots: the groups packed past the last slot have
+    no prefix, their members attend all their pages in the suffix call, and every output
+    still equals plain decode's."""
+    dtype = jnp.float32
+    require(backend, ("decode",), dtype)
+    pool, _ = _shared_pool(**CPU_POOL)
+    rng = np.random.default_rng(7)
+    k, v = _pages(pool, (pool.num_pages, PAGE, 2, 64), dtype, rng)
+    q = jnp.asarray(rng.standard_normal((pool.max_seqs, 4, 64)), dtype)
+    lens = np.asarray(pool.kv_lens)
+    slots = np.arange(pool.max_seqs, dtype=np.int32)
+    shareable = np.where(lens > 0, (lens - 1) // PAGE, 0).astype(np.int32)
+    alone = shareable > 0
+    assert alone.sum() > pool.max_seqs // 2
+    members = np.full((pool.max_seqs, 2), -1, np.int32)
+    members[alone, 0] = slots[alone]
+    groups = jaxpaged.PrefixGroups(
+        members=jnp.asarray(members),
+        shared_pages=jnp.asarray(np.where(alone, shareable, 0)),
+        group_of=jnp.asarray(np.where(alone, slots, -1)),
+        rank_of=jnp.asarray(np.where(alone, 0, -1).astype(np.int32)),
+        use=jnp.bool_(True),
+    )
+    decode = functools.partial(_decode, backend, q, k, v, pool)
+    plain = decode(dataclasses.replace(groups, use=jnp.bool_(False)))
+    _assert_equal_to_plain(plain, decode(groups), dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", [8, 16])
 @pytest.mark.parametrize("splits", [None, 4])

@@ -136,18 +136,20 @@ def make_body(
 
         def item_of(index):
             """(KV head, split, slot) of an item. `index` counts KV heads fastest, then
-            splits, then slots; or, ordered (`longest_first`), KV heads, then slots from the
+            splits, then slots: in slot order, or, ordered (`longest_first`), from the
             longest down (`order_ref`: longest first from `order_slots`, shortest first
-            from `slots_by_length`), then splits."""
+            from `slots_by_length`). The splits of the longest slots thus come first: a
+            batch with few long slots among many empty ones (the prefix call of
+            `jaxpaged.shared_prefix_decode_attention`) spreads the long slots' splits over
+            the first programs of the snake, one per program."""
             kv_head = lax.rem(index, num_kv_heads)
             unit = index // num_kv_heads
+            split, rank = lax.rem(unit, num_splits), unit // num_splits
             if ordering is None:
-                return kv_head, lax.rem(unit, num_splits), unit // num_splits
-            rank = lax.rem(unit, num_seq_slots)
+                return kv_head, split, rank
             if ordering == "xla":
                 rank = num_seq_slots - 1 - rank
-            seq = jnp.clip(order_ref[rank], 0, num_seq_slots - 1)
-            return kv_head, unit // num_seq_slots, seq
+            return kv_head, split, jnp.clip(order_ref[rank], 0, num_seq_slots - 1)
 
         def steps_of(split, seq, valid):
             """kv_len, the item's first pipeline step and how many it takes (0 if `valid` is
