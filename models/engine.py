@@ -62,6 +62,9 @@ class StepInputs(NamedTuple):
     num_seqs: jax.Array  # i32[]
     sample_rows: jax.Array  # i32[S]
     sampling: SamplingArrays
+    # i32[S]: the tokens the host counts as cached for each row before the step. A step whose
+    # rows the pool disagrees with (a step enqueued after one that failed) runs no sequence.
+    num_cached: jax.Array
 
 
 class PrefixSharing(NamedTuple):
@@ -78,6 +81,7 @@ class StepOutputs(NamedTuple):
     ok: jax.Array  # bool[], False: the pool could not hold the step and nothing was written
     logits: jax.Array  # f32[T, vocab] with all_logits, else f32[S, vocab] (rows' last tokens)
     shared_prefix: jax.Array  # bool[], the step read shared prefixes once per group
+    page_table: jax.Array  # i32[max_seqs, pages_per_seq], the pool's after the step
 
 
 class BlockInputs(NamedTuple):
@@ -103,18 +107,36 @@ class BlockOutputs(NamedTuple):
     next: BlockInputs
 
 
-def _forward(graphdef, params, kv_pages, pool, tokens, seq_ids, cu_q_lens, num_seqs, **static):
+def _forward(
+    graphdef,
+    params,
+    kv_pages,
+    pool,
+    tokens,
+    seq_ids,
+    cu_q_lens,
+    num_seqs,
+    num_cached=None,
+    **static,
+):
     """Reserve the step's pages, run the decoder, return the step's metadata and final hidden
-    states: (kv_pages, pool, ok, meta, hidden [T, hidden], model). With `shared_prefix` (a
-    `PrefixSharing`), a decode step's metadata carries the groups of sequences that share
-    their first pages, found in the pool's page table after the reservation."""
+    states: (kv_pages, pool, ok, meta, hidden [T, hidden], model). With `num_cached` (the
+    host's count per row), a row whose pool slot holds another count makes the step run no
+    sequence (`ok` False). With `shared_prefix` (a `PrefixSharing`), a decode step's metadata
+    carries the groups of sequences that share their first pages, found in the pool's page
+    table after the reservation."""
     decode, implementation = static["decode"], static["implementation"]
     shared_prefix = static["shared_prefix"]
     num_tokens = tokens.shape[0]
     live = jnp.arange(seq_ids.shape[0]) < num_seqs
     seq_ids = jnp.where(live, seq_ids, -1)
     cached, _ = jaxpaged.batch_metadata(pool, seq_ids)
+    agrees = jnp.bool_(True)
+    if num_cached is not None:
+        agrees = jnp.all(~live | (cached == num_cached))
+        seq_ids = jnp.where(agrees, seq_ids, -1)
     pool, ok = jaxpaged.reserve(pool, seq_ids, cached + jnp.diff(cu_q_lens))
+    ok = ok & agrees
     kv_lens, page_indices = jaxpaged.batch_metadata(pool, seq_ids)
     # A failed reservation left the pool as it was, so these lengths miss the new tokens and
     # writing them would overwrite the sequences' last cached tokens: run with no sequences.
@@ -159,10 +181,13 @@ def model_step(
     all_logits: bool,
     implementation: str | None,
     shared_prefix: PrefixSharing | None = None,
+    conditionals_in_graph: bool = True,
 ) -> tuple[KVPages, jaxpaged.PagePool, StepOutputs]:
     """One step of the decoder, traced by `step_function`, which jits it with `kv_pages` and
     `pool` donated: they come back updated in place. A decode step with `shared_prefix` reads
-    the first pages that sequences share once per group."""
+    the first pages that sequences share once per group. `conditionals_in_graph`: the step's
+    XLA options put conditionals in command buffers; without, sampling takes no `lax.cond`
+    (`sample`'s `skip_sort`), which the host would wait at."""
     kv_pages, pool, ok, meta, hidden, model = _forward(
         graphdef,
         params,
@@ -172,6 +197,7 @@ def model_step(
         inputs.seq_ids,
         inputs.cu_q_lens,
         inputs.num_seqs,
+        inputs.num_cached,
         decode=decode,
         implementation=implementation,
         shared_prefix=shared_prefix,
@@ -184,8 +210,12 @@ def model_step(
     else:
         logits = row_logits = model.logits(hidden[last])
     rows = inputs.sample_rows
-    tokens, logprobs = sample(row_logits[rows], inputs.sampling, meta.kv_lens[rows])
-    outputs = StepOutputs(tokens, logprobs, ok, logits, _uses_shared_prefix(meta))
+    tokens, logprobs = sample(
+        row_logits[rows], inputs.sampling, meta.kv_lens[rows], skip_sort=conditionals_in_graph
+    )
+    outputs = StepOutputs(
+        tokens, logprobs, ok, logits, _uses_shared_prefix(meta), pool.page_indices
+    )
     return kv_pages, pool, outputs
 
 
@@ -326,10 +356,21 @@ def step_function(
     (5.4 ms per B=1 decode step on the H200 instead of 3.6), and flattening its nnx.State
     hundreds of microseconds, so both are bound here instead."""
 
+    conditionals_in_graph = "CONDITIONAL" in str(
+        dict(xla_options).get("xla_gpu_enable_command_buffer", "")
+    )
+
     def step(param_leaves, kv_pages, pool, inputs, **static):
         params = jax.tree.unflatten(params_treedef, param_leaves)
         return model_step(
-            graphdef, params, kv_pages, pool, inputs, shared_prefix=shared_prefix, **static
+            graphdef,
+            params,
+            kv_pages,
+            pool,
+            inputs,
+            shared_prefix=shared_prefix,
+            conditionals_in_graph=conditionals_in_graph or jax.default_backend() != "gpu",
+            **static,
         )
 
     return jax.jit(
@@ -407,6 +448,9 @@ class Stats:
     cut_blocks: int = 0
     steps: int = 0
     failed_steps: int = 0
+    # Steps that sampled nothing, enqueued before the step before them was read (prompt chunks
+    # short of their prompts' ends); a step's time then runs from that read to its own.
+    steps_in_flight: int = 0
     # Host time inside the jitted calls (argument handling and launch; the GPU runs on after
     # they return), summed over all steps and blocks.
     dispatch_time: float = 0.0
@@ -439,6 +483,16 @@ class _Block(NamedTuple):
 
     rows: list[Sequence]
     out: BlockOutputs
+
+
+class _Step(NamedTuple):
+    """A step in flight, enqueued before the one before it was read: it samples nothing, and
+    the host has counted its chunks as cached already (`slots`: each chunk's slot then)."""
+
+    plan: Plan
+    slots: list[int]
+    start: float  # perf_counter() at its launch
+    out: StepOutputs
 
 
 class Engine:
@@ -524,6 +578,8 @@ class Engine:
         self.stats = Stats()
         self._next_id = 0
         self._block: _Block | None = None  # the decode block in flight
+        self._step: _Step | None = None  # the step in flight
+        self._last_read = 0.0  # perf_counter() when the host last read a step
         self._last_block_failed = False
         self._clock = 0.0
         self._pool_oks: list[jax.Array] = []  # of the prefix cache's pool updates, unread
@@ -630,7 +686,7 @@ class Engine:
         return samples[0]
 
     def has_work(self) -> bool:
-        return self._block is not None or self.scheduler.has_work()
+        return self._block is not None or self._step is not None or self.scheduler.has_work()
 
     def step(self, *, record_prompt_logits: bool = False) -> list[Sequence]:
         """Run one step, or enqueue or finish a decode block; returns the sequences it finished.
@@ -646,9 +702,12 @@ class Engine:
         self._release_pending()
         self._evict_and_attach()
         if not plan.chunks:
-            return []
+            return self._finish_step()
         blocks = self.config.decode_steps is not None and not record_prompt_logits
         if blocks and all(c.is_decode for c in plan.chunks):
+            # A decode-only plan admitted nobody: after a failed step in flight it is dropped.
+            if not self._read_in_flight():
+                return []
             self._clock = time.perf_counter()
             rows = [c.seq for c in plan.chunks]
             self._block = _Block(rows, self._launch_block(self._block_inputs(rows)))
@@ -667,11 +726,29 @@ class Engine:
                 implementation=self.implementation,
             )
         self.stats.dispatch_time += time.perf_counter() - start
+        # A step that samples nothing (prompt chunks short of their prompts' ends) needs no
+        # read before the next is planned: it stays in flight, its chunks counted as cached,
+        # and the step before it is read now, while it runs.
+        previous, self._step = self._step, None
+        if self.overlap and not record_prompt_logits and not any(c.samples for c in plan.chunks):
+            for c in plan.chunks:
+                c.seq.num_cached += c.length
+            self._step = _Step(plan, [c.seq.slot for c in plan.chunks], start, out)
+            self.stats.steps_in_flight += 1
+            for x in (out.ok, out.page_table):
+                x.copy_to_host_async()
+        if previous is not None and not self._read_step(previous) and self._step is not None:
+            # It failed, and so did the step just enqueued if it holds one of its sequences.
+            self._read_in_flight(after_failure=True)
+            return []
+        if self._step is not None:
+            return []
         tokens, logprobs, ok, shared = jax.device_get(
             (out.tokens, out.logprobs, out.ok, out.shared_prefix)
         )
         self._check_pool_updates()
-        elapsed = time.perf_counter() - start
+        now = time.perf_counter()
+        elapsed, self._last_read = now - max(start, self._last_read), now
         self.stats.steps += 1
         if not ok:
             self.stats.failed_steps += 1
@@ -685,7 +762,7 @@ class Engine:
         if self.scheduler.cache is not None and any(
             c.start < c.seq.prompt_len for c in plan.chunks
         ):
-            page_table = np.asarray(self.pool.page_indices)  # the pages the prompts filled
+            page_table = np.asarray(out.page_table)  # the pages the prompts filled
         finished = self.scheduler.update(plan, tokens, logprobs, page_table)
         self._count_peak()
         self._retain_pending()
@@ -694,12 +771,49 @@ class Engine:
         return finished
 
     def sync(self) -> list[Sequence]:
-        """Finish the decode block in flight, if any, enqueueing none after it; returns the
-        sequences it finished. The host's view (scheduler, pool) is then up to date."""
+        """Finish the decode block or step in flight, if any, enqueueing none after it; returns
+        the sequences it finished. The host's view (scheduler, pool) is then up to date."""
+        self._read_in_flight()
         if self._block is None:
             return []
         block, self._block = self._block, None
         return self._finish_block(block)
+
+    def _finish_step(self) -> list[Sequence]:
+        self._read_in_flight()
+        return []  # a step in flight samples nothing, so it finishes nobody
+
+    def _read_in_flight(self, *, after_failure: bool = False) -> bool:
+        """Read the step in flight, if any (`_read_step`); False if it failed."""
+        step, self._step = self._step, None
+        return step is None or self._read_step(step, after_failure=after_failure)
+
+    def _read_step(self, step: _Step, *, after_failure: bool = False) -> bool:
+        """Read a step that was left in flight: count it and cache the prompt pages it filled;
+        if it failed, take back the cached tokens the host had counted for its chunks and,
+        unless it follows a failed step (which it failed with), preempt as after a failed
+        step. A chunk whose sequence has left its slot since (preempted) is skipped. Returns
+        the step's ok."""
+        ok, page_table = jax.device_get((step.out.ok, step.out.page_table))
+        self._check_pool_updates()
+        now = time.perf_counter()
+        elapsed, self._last_read = now - max(step.start, self._last_read), now
+        self.stats.steps += 1
+        chunks = [
+            c for c, slot in zip(step.plan.chunks, step.slots, strict=True) if c.seq.slot == slot
+        ]
+        if not ok:
+            self.stats.failed_steps += 1
+            for c in chunks:
+                c.seq.num_cached = min(c.seq.num_cached, c.start)
+            if not after_failure:
+                self.scheduler.on_failed_step()
+            return False
+        self._count(step.plan, elapsed)
+        self.scheduler.cache_prompt_pages(chunks, page_table)
+        self._count_peak()
+        self._retain_pending()
+        return True
 
     def generate(
         self,
@@ -809,11 +923,12 @@ class Engine:
         tokens = np.zeros(num_tokens, np.int32)
         seq_ids = np.full(num_seq_slots, -1, np.int32)
         cu_q_lens = np.zeros(num_seq_slots + 1, np.int32)
+        num_cached = np.zeros(num_seq_slots, np.int32)
         offset = 0
         for i, c in enumerate(plan.chunks):
             tokens[offset : offset + c.length] = c.seq.tokens[c.start : c.start + c.length]
             offset += c.length
-            seq_ids[i] = c.seq.slot
+            seq_ids[i], num_cached[i] = c.seq.slot, c.start
             cu_q_lens[i + 1] = offset
         cu_q_lens[len(plan.chunks) + 1 :] = offset
         # The forked samples fit after the chunks: each holds a slot of its own.
@@ -824,7 +939,13 @@ class Engine:
         seqs = [c.seq for c in plan.chunks] + [forked for _, forked in plan.forks]
         sampling = self._sampling(seqs, num_seq_slots)
         return StepInputs(
-            tokens, seq_ids, cu_q_lens, np.int32(len(plan.chunks)), sample_rows, sampling
+            tokens,
+            seq_ids,
+            cu_q_lens,
+            np.int32(len(plan.chunks)),
+            sample_rows,
+            sampling,
+            num_cached,
         )
 
     def _fork_pending(self) -> None:

@@ -54,26 +54,32 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 
 
 def sample(
-    logits: jax.Array, params: SamplingArrays, positions: jax.Array
+    logits: jax.Array, params: SamplingArrays, positions: jax.Array, *, skip_sort: bool = True
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row: argmax where the temperature is 0, else a categorical sample of the
     filtered, temperature-scaled logits.
 
     logits: f32[S, V]; positions: i32[S], the position of the token being sampled. Returns
     (tokens i32[S], logprobs f32[S]): the log-probabilities are those of the unfiltered model at
-    temperature 1.
+    temperature 1. `skip_sort`: a `lax.cond` skips the filters' sort when no row filters
+    (tens of microseconds a step); False sorts always. Where XLA runs a conditional on the
+    host (outside command buffers), the host reads its predicate, so the call that launches
+    the step waits there for the GPU to reach it: such steps take False.
     """
     temperatures = params.temperatures
     scaled = logits / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
-    # The sort costs tens of microseconds a step: skip it when no row filters. Both branches give
-    # every row the same result, so the choice depends on the batch but no sample does.
+    # Both ways give every row the same result (rows with top_k 0 and top_p 1 come back
+    # unchanged), so the choice depends on the batch but no sample does.
     filters = (temperatures > 0) & ((params.top_k > 0) | (params.top_p < 1.0))
-    scaled = jax.lax.cond(
-        jnp.any(filters),
-        lambda x: filter_logits(x, params.top_k, params.top_p),
-        lambda x: x,
-        scaled,
-    )
+    if skip_sort:
+        scaled = jax.lax.cond(
+            jnp.any(filters),
+            lambda x: filter_logits(x, params.top_k, params.top_p),
+            lambda x: x,
+            scaled,
+        )
+    else:
+        scaled = filter_logits(scaled, params.top_k, params.top_p)
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seeds, positions)
     sampled = jax.vmap(jax.random.categorical)(keys, scaled)
     tokens = jnp.where(temperatures > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)

@@ -398,6 +398,8 @@ class Scheduler:
             forks[row].append((sample, j))
         for i, chunk in enumerate(plan.chunks):
             seq = chunk.seq
+            if seq.slot < 0:  # preempted since the step was planned (after a failed step)
+                continue
             seq.num_cached += chunk.length
             if self.cache is not None and chunk.start < seq.prompt_len:
                 self._cache_pages(chunk, page_indices[seq.slot])
@@ -411,6 +413,16 @@ class Scheduler:
                 self._finish(seq)
                 finished.append(seq)
         return finished
+
+    def cache_prompt_pages(self, chunks: list[Chunk], page_indices: np.ndarray) -> None:
+        """With the prefix cache, cache the prompt pages that `chunks` filled, of a step whose
+        chunks were counted as cached when it was enqueued (`page_indices`: the pool's page
+        table after it)."""
+        if self.cache is None:
+            return
+        for chunk in chunks:
+            if chunk.start < chunk.seq.prompt_len:
+                self._cache_pages(chunk, page_indices[chunk.seq.slot])
 
     def _cache_pages(self, chunk: Chunk, pages: np.ndarray) -> None:
         """Cache the prompt pages that `chunk` filled (`pages`: its sequence's page table row),

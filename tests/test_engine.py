@@ -745,3 +745,50 @@ def test_prefix_cache_updates_compile_once():
     with count_compilations() as compiles:
         _generate(engine, CACHED_PROMPTS[6:12], CACHED_PARAMS[6:12])
     assert not compiles, f"{len(compiles)} compilations after warm-up"
+
+
+def test_prompt_chunks_run_ahead_of_their_reads():
+    """Steps of prompt chunks that sample nothing (here the first prompt's, alone in their
+    steps) are enqueued before the step before them is read (one in flight at a time); the
+    tokens and log-probabilities are those of the engine
+    that reads every step before planning the next."""
+    prompts = [_prompt(n, 300 + n) for n in (61, 7, 44, 29)]
+    params = [SamplingParams(6 + i, 0.0 if i % 2 else 0.8, seed=i) for i in range(4)]
+    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    ahead = 0
+    while engine.has_work():
+        engine.step()
+        ahead += engine._step is not None
+        assert engine._step is None or not any(c.samples for c in engine._step.plan.chunks)
+    assert ahead > 4 and engine.stats.steps_in_flight == ahead
+    ref = _engine("xla", chunk_size=8, max_tokens_per_step=8, overlap=False)
+    _assert_same(seqs, _generate(ref, prompts, params))
+    assert ref.stats.steps_in_flight == 0
+
+
+def test_a_failed_step_in_flight_is_taken_back():
+    """A prompt chunk left in flight whose reservation fails (its pages taken on the device
+    behind the scheduler's back, and given back before the next step): the step enqueued after
+    it runs nothing (its guard: the pool's cached count is not the host's), the host takes
+    both chunks back and preempts, and the request gives what it gives alone."""
+    prompt, params = _prompt(61, 500), SamplingParams(5)
+    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8)
+    seq = engine.add_request(prompt, params)
+    engine.step()
+    engine.step()  # tokens 8-16 in flight, 0-8 read
+    assert engine._step is not None and seq.num_cached == 16
+    taken = engine.pool.refcount == 0
+    engine.pool = dataclasses.replace(engine.pool, refcount=engine.pool.refcount + taken)
+    engine.step()  # tokens 16-24, which need a page, in flight
+    engine.pool = dataclasses.replace(engine.pool, refcount=engine.pool.refcount - taken)
+    # Tokens 24-32 in flight: the pool has pages again, but holds 16 tokens, not 24. Then
+    # 16-24 read: failed, and so did 24-32.
+    engine.step()
+    assert engine.stats.failed_steps == 2 and engine._step is None
+    assert seq.num_cached == 0 and seq in engine.scheduler.waiting
+    while engine.has_work():
+        engine.step()
+    _check_pool(engine)
+    [ref] = _generate(_engine("xla", decode_steps=None, overlap=False), [prompt], params)
+    _assert_same([seq], [ref])

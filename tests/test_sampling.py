@@ -79,3 +79,18 @@ def test_greedy_rows_take_the_argmax_whatever_the_filters():
 def test_is_stop_ignores_padding_ids():
     stop_ids = jnp.array([[5, -1], [-1, -1], [0, 9]])
     np.testing.assert_array_equal(is_stop(jnp.array([5, 5, 9]), stop_ids), [True, False, True])
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_sampling_without_its_conditional_gives_the_same_tokens(filtered):
+    """`skip_sort=False` (steps whose XLA runs conditionals on the host) traces no `cond` and
+    samples what the conditional way samples, for rows that filter and rows that do not."""
+    rows = 8
+    logits = jax.random.normal(jax.random.key(3), (rows, VOCAB)) * 2.0
+    params = _arrays(rows, 0.8, top_k=5 if filtered else 0, top_p=0.9 if filtered else 1.0)
+    positions = jnp.arange(rows, dtype=jnp.int32) + 11
+    plain = jax.jit(lambda x: sample(x, params, positions, skip_sort=False))
+    assert "cond" not in str(jax.make_jaxpr(plain)(logits))
+    assert "cond" in str(jax.make_jaxpr(lambda x: sample(x, params, positions))(logits))
+    for got, want in zip(plain(logits), sample(logits, params, positions), strict=True):
+        np.testing.assert_array_equal(got, want)
