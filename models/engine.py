@@ -17,7 +17,10 @@ released, and with prefix caching pages cached (`jaxpaged.retain`), evicted (`dr
 attached to admitted requests (`attach`). A step's host sync reads its sampled tokens. A
 block's sync reads its [N, S] tokens once, and while block i runs the host has already
 enqueued block i+1 from block i's device outputs, so the GPU does not wait for the host
-between blocks.
+between blocks. A step that samples nothing (prompt chunks short of their prompts' ends) and
+runs without command buffers is read only after the next step is enqueued; each step checks on
+the device that the pool holds the cached tokens the host counted, so a step enqueued after
+one that failed writes nothing.
 """
 
 from __future__ import annotations
@@ -329,6 +332,12 @@ SMALL_STEP_XLA_OPTIONS = (
 LARGE_STEP_XLA_OPTIONS = (("xla_gpu_enable_command_buffer", ""),)
 
 
+def uses_command_buffers(xla_options: tuple[tuple[str, object], ...]) -> bool:
+    """Whether a step compiled with `xla_options` runs in command buffers on a GPU (XLA's
+    default does; `LARGE_STEP_XLA_OPTIONS` turns them off)."""
+    return dict(xla_options).get("xla_gpu_enable_command_buffer", "default") != ""
+
+
 def step_xla_options(num_tokens: int, *, decode: bool = False) -> tuple[tuple[str, object], ...]:
     """The XLA options of a step or block of `num_tokens` tokens (its T); `decode`: one token
     per row (decode projections keep XLA's Triton GEMMs at every batch: with the whole block
@@ -562,9 +571,16 @@ class Engine:
             sharing = self.prefix_sharing
             self._decode_fns[True] = step_function(self.graphdef, treedef, decode_options, sharing)
             self._block_fns[True] = block_function(self.graphdef, treedef, decode_options, sharing)
-        self._mixed_fn = step_function(
-            self.graphdef, treedef, options(config.max_tokens_per_step, False)
-        )
+        mixed_options = options(config.max_tokens_per_step, False)
+        self._mixed_fn = step_function(self.graphdef, treedef, mixed_options)
+        # Whether a step may stay in flight while the next is enqueued: not where it runs in a
+        # command buffer, whose next launch waited for it on the H200 and took longer than
+        # the read it saved (benchmarks/NOTES.md, "Session 11").
+        on_gpu = jax.default_backend() == "gpu" and not foreign
+        self._ahead = {
+            kind: not (on_gpu and uses_command_buffers(opts))
+            for kind, opts in ((True, decode_options), (False, mixed_options))
+        }
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(
@@ -730,7 +746,8 @@ class Engine:
         # read before the next is planned: it stays in flight, its chunks counted as cached,
         # and the step before it is read now, while it runs.
         previous, self._step = self._step, None
-        if self.overlap and not record_prompt_logits and not any(c.samples for c in plan.chunks):
+        ahead = self.overlap and self._ahead[plan.decode] and not record_prompt_logits
+        if ahead and not any(c.samples for c in plan.chunks):
             for c in plan.chunks:
                 c.seq.num_cached += c.length
             self._step = _Step(plan, [c.seq.slot for c in plan.chunks], start, out)

@@ -17,7 +17,13 @@ import pytest
 
 import jaxpaged
 from models.config import CONFIGS, EngineConfig
-from models.engine import Engine, fork_samples
+from models.engine import (
+    LARGE_STEP_XLA_OPTIONS,
+    SMALL_STEP_XLA_OPTIONS,
+    Engine,
+    fork_samples,
+    uses_command_buffers,
+)
 from models.prefix_cache import page_keys
 from models.scheduler import SamplingParams
 from tests.helpers import backend_params, count_compilations, require
@@ -36,12 +42,18 @@ BACKENDS = backend_params(cpu=("xla",))
 
 def _engine(backend, **changes) -> Engine:
     overlap = changes.pop("overlap", True)
+    xla_options = changes.pop("xla_options", None)
     return Engine(
         _model(jnp.float32),
         dataclasses.replace(CONFIG, **changes),
         implementation=backend,
         overlap=overlap,
+        xla_options=xla_options,
     )
+
+
+# Steps stay in flight only where they run without command buffers (on a GPU, large steps).
+NO_GRAPHS = LARGE_STEP_XLA_OPTIONS
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -754,7 +766,7 @@ def test_prompt_chunks_run_ahead_of_their_reads():
     that reads every step before planning the next."""
     prompts = [_prompt(n, 300 + n) for n in (61, 7, 44, 29)]
     params = [SamplingParams(6 + i, 0.0 if i % 2 else 0.8, seed=i) for i in range(4)]
-    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8)
+    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8, xla_options=NO_GRAPHS)
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     ahead = 0
     while engine.has_work():
@@ -773,7 +785,7 @@ def test_a_failed_step_in_flight_is_taken_back():
     it runs nothing (its guard: the pool's cached count is not the host's), the host takes
     both chunks back and preempts, and the request gives what it gives alone."""
     prompt, params = _prompt(61, 500), SamplingParams(5)
-    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8)
+    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8, xla_options=NO_GRAPHS)
     seq = engine.add_request(prompt, params)
     engine.step()
     engine.step()  # tokens 8-16 in flight, 0-8 read
@@ -792,3 +804,15 @@ def test_a_failed_step_in_flight_is_taken_back():
     _check_pool(engine)
     [ref] = _generate(_engine("xla", decode_steps=None, overlap=False), [prompt], params)
     _assert_same([seq], [ref])
+
+
+def test_steps_stay_in_flight_only_outside_command_buffers():
+    """On a GPU a step that runs in a command buffer is read before the next is enqueued (its
+    next launch waited for it); without command buffers, and off the GPU, it may stay in
+    flight."""
+    engine = _engine("xla", xla_options=NO_GRAPHS)
+    assert engine._ahead == {True: True, False: True}
+    graphs = _engine("xla", xla_options=SMALL_STEP_XLA_OPTIONS)._ahead
+    assert graphs == {k: jax.default_backend() != "gpu" for k in (True, False)}
+    assert uses_command_buffers(SMALL_STEP_XLA_OPTIONS) and uses_command_buffers(())
+    assert not uses_command_buffers(NO_GRAPHS)
