@@ -84,7 +84,8 @@ class StepOutputs(NamedTuple):
     ok: jax.Array  # bool[], False: the pool could not hold the step and nothing was written
     logits: jax.Array  # f32[T, vocab] with all_logits, else f32[S, vocab] (rows' last tokens)
     shared_prefix: jax.Array  # bool[], the step read shared prefixes once per group
-    page_table: jax.Array  # i32[max_seqs, pages_per_seq], the pool's after the step
+    # i32[max_seqs, pages_per_seq], the pool's after the step (steps that may stay in flight)
+    page_table: jax.Array | None
 
 
 class BlockInputs(NamedTuple):
@@ -185,12 +186,15 @@ def model_step(
     implementation: str | None,
     shared_prefix: PrefixSharing | None = None,
     conditionals_in_graph: bool = True,
+    ahead: bool = False,
 ) -> tuple[KVPages, jaxpaged.PagePool, StepOutputs]:
     """One step of the decoder, traced by `step_function`, which jits it with `kv_pages` and
     `pool` donated: they come back updated in place. A decode step with `shared_prefix` reads
     the first pages that sequences share once per group. `conditionals_in_graph`: the step's
     XLA options put conditionals in command buffers; without, sampling takes no `lax.cond`
-    (`sample`'s `skip_sort`), which the host would wait at."""
+    (`sample`'s `skip_sort`), which the host would wait at. `ahead`: the step may be enqueued
+    before the one before it is read: it checks `inputs.num_cached` against the pool and
+    returns its page table (else `page_table` is None)."""
     kv_pages, pool, ok, meta, hidden, model = _forward(
         graphdef,
         params,
@@ -200,7 +204,7 @@ def model_step(
         inputs.seq_ids,
         inputs.cu_q_lens,
         inputs.num_seqs,
-        inputs.num_cached,
+        inputs.num_cached if ahead else None,
         decode=decode,
         implementation=implementation,
         shared_prefix=shared_prefix,
@@ -216,9 +220,8 @@ def model_step(
     tokens, logprobs = sample(
         row_logits[rows], inputs.sampling, meta.kv_lens[rows], skip_sort=conditionals_in_graph
     )
-    outputs = StepOutputs(
-        tokens, logprobs, ok, logits, _uses_shared_prefix(meta), pool.page_indices
-    )
+    page_table = pool.page_indices if ahead else None
+    outputs = StepOutputs(tokens, logprobs, ok, logits, _uses_shared_prefix(meta), page_table)
     return kv_pages, pool, outputs
 
 
@@ -355,10 +358,11 @@ def step_function(
     params_treedef: jax.tree_util.PyTreeDef,
     xla_options: tuple[tuple[str, object], ...] = (),
     shared_prefix: PrefixSharing | None = None,
+    ahead: bool = False,
 ):
     """`model_step` jitted once per model structure, taking the parameters as the flat list of
     their leaves (the engine's step; `decode`, `all_logits` and `implementation` are static,
-    `shared_prefix` is bound here).
+    `shared_prefix` and `ahead` are bound here).
 
     Dispatch hashes a jitted function's static arguments and flattens its pytree arguments on
     every call: the GraphDef of the 1B decoder took milliseconds to hash as a static argument
@@ -379,6 +383,7 @@ def step_function(
             inputs,
             shared_prefix=shared_prefix,
             conditionals_in_graph=conditionals_in_graph or jax.default_backend() != "gpu",
+            ahead=ahead,
             **static,
         )
 
@@ -557,22 +562,7 @@ class Engine:
             return step_xla_options(num_tokens, decode=decode)
 
         decode_options = options(self.decode_rows, True)
-        self.prefix_sharing = self._prefix_sharing(model)
-        # Decode steps and blocks come in two kinds: plain, and with the shared-prefix path
-        # (when `prefix_sharing` is set); each call takes the plain one unless the scheduler
-        # says that running sequences share pages, so a batch without sharing pays nothing for
-        # the path (its lax.cond per layer and the group search per step). Without sharing, no
-        # argument: the cached function of a call that does not name it.
-        plain_decode = step_function(self.graphdef, treedef, decode_options)
-        plain_block = block_function(self.graphdef, treedef, decode_options)
-        self._decode_fns = {False: plain_decode, True: plain_decode}
-        self._block_fns = {False: plain_block, True: plain_block}
-        if self.prefix_sharing is not None:
-            sharing = self.prefix_sharing
-            self._decode_fns[True] = step_function(self.graphdef, treedef, decode_options, sharing)
-            self._block_fns[True] = block_function(self.graphdef, treedef, decode_options, sharing)
         mixed_options = options(config.max_tokens_per_step, False)
-        self._mixed_fn = step_function(self.graphdef, treedef, mixed_options)
         # Whether a step may stay in flight while the next is enqueued: not where it runs in a
         # command buffer, whose next launch waited for it on the H200 and took longer than
         # the read it saved (benchmarks/NOTES.md, "Session 11").
@@ -581,6 +571,26 @@ class Engine:
             kind: not (on_gpu and uses_command_buffers(opts))
             for kind, opts in ((True, decode_options), (False, mixed_options))
         }
+        self.prefix_sharing = self._prefix_sharing(model)
+        # Decode steps and blocks come in two kinds: plain, and with the shared-prefix path
+        # (when `prefix_sharing` is set); each call takes the plain one unless the scheduler
+        # says that running sequences share pages, so a batch without sharing pays nothing for
+        # the path (its lax.cond per layer and the group search per step). Without sharing, no
+        # argument: the cached function of a call that does not name it.
+        ahead = self._ahead[True]
+        plain_decode = step_function(self.graphdef, treedef, decode_options, ahead=ahead)
+        plain_block = block_function(self.graphdef, treedef, decode_options)
+        self._decode_fns = {False: plain_decode, True: plain_decode}
+        self._block_fns = {False: plain_block, True: plain_block}
+        if self.prefix_sharing is not None:
+            sharing = self.prefix_sharing
+            self._decode_fns[True] = step_function(
+                self.graphdef, treedef, decode_options, sharing, ahead=ahead
+            )
+            self._block_fns[True] = block_function(self.graphdef, treedef, decode_options, sharing)
+        self._mixed_fn = step_function(
+            self.graphdef, treedef, mixed_options, ahead=self._ahead[False]
+        )
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(
@@ -779,7 +789,7 @@ class Engine:
         if self.scheduler.cache is not None and any(
             c.start < c.seq.prompt_len for c in plan.chunks
         ):
-            page_table = np.asarray(out.page_table)  # the pages the prompts filled
+            page_table = np.asarray(self.pool.page_indices)  # the pages the prompts filled
         finished = self.scheduler.update(plan, tokens, logprobs, page_table)
         self._count_peak()
         self._retain_pending()
