@@ -4,7 +4,8 @@ same weights run densely (contiguous KV, XLA attention).
     python -m benchmarks.e2e --out benchmarks/results/e2e_h200.json
 
 Prefill: one prompt of `--prompt-len` tokens, single-shot (one step) and in chunks of 256, 512
-and 2048 tokens; tokens/s is the prompt length over the wall time of its steps. Decode:
+and 2048 tokens; tokens/s is the prompt length over the wall time of its steps, the median of
+`--repeats` runs (`tokens_per_s_range`: the slowest and fastest). Decode:
 batches of 1, 16 and 64 sequences with `--ctx` cached tokens each generate `--new-tokens`
 greedily in lockstep; tokens/s counts the decode tokens over the engine wall time from the
 first decode launch to the last sync (decode blocks, host syncs and scheduling included). Each
@@ -70,12 +71,17 @@ def _engine(
     return Engine(model, config, implementation=implementation, xla_options=xla_options)
 
 
-def _timed(engine: Engine, prompts, params: SamplingParams) -> Stats:
-    """Compile on a short run of the same step shapes, then time a full one."""
+def _timed(engine: Engine, prompts, params: SamplingParams, repeats: int) -> list[Stats]:
+    """Compile on a short run of the same step shapes, then time `repeats` full ones; returns
+    their stats, fastest prefill first (the host time of chunked steps moves by a millisecond
+    from run to run: benchmarks/NOTES.md, session 11)."""
     engine.generate([p[:2] for p in prompts], dataclasses.replace(params, max_new_tokens=2))
-    engine.stats = Stats()
-    engine.generate(prompts, params)
-    return engine.stats
+    runs = []
+    for _ in range(repeats):
+        engine.stats = Stats()
+        engine.generate(prompts, params)
+        runs.append(engine.stats)
+    return sorted(runs, key=lambda stats: stats.prefill_time)
 
 
 _KERNEL_KINDS = (
@@ -118,7 +124,8 @@ def _discard_first_capture() -> None:
 def _prefill_case(engine: Engine, prompts, kind: str, chunk: int, args) -> dict:
     """Prefill of `prompts` (one token generated, so every step is a prefill step)."""
     params = SamplingParams(max_new_tokens=1)
-    stats = _timed(engine, prompts, params)
+    runs = _timed(engine, prompts, params, args.repeats)
+    stats = runs[len(runs) // 2]  # the median run
     case = dict(
         kind=kind,
         prompts=len(prompts),
@@ -128,6 +135,8 @@ def _prefill_case(engine: Engine, prompts, kind: str, chunk: int, args) -> dict:
         tokens_per_s=stats.prefill_tokens_per_s,
         wall_ms_per_step=1e3 * stats.prefill_time / stats.prefill_steps,
         dispatch_ms_per_step=1e3 * stats.dispatch_time / stats.steps,
+        repeats=len(runs),
+        tokens_per_s_range=[runs[-1].prefill_tokens_per_s, runs[0].prefill_tokens_per_s],
     )
     if args.profile:
         case.update(_profiled(engine, prompts, params))
@@ -342,6 +351,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--new-tokens", type=int, default=129)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--batch-prompts", type=int, default=16, help="0: no batch prefill")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of each prefill case (the median)"
+    )
     parser.add_argument("--profile", action="store_true", help="CUPTI GPU time per step")
     parser.add_argument(
         "--top-kernels", type=int, default=12, help="with --profile: the costliest kernels listed"
