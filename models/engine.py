@@ -730,10 +730,14 @@ class Engine:
         if not plan.chunks:
             return self._finish_step()
         blocks = self.config.decode_steps is not None and not record_prompt_logits
-        if blocks and all(c.is_decode for c in plan.chunks):
-            # A decode-only plan admitted nobody: after a failed step in flight it is dropped.
-            if not self._read_in_flight():
-                return []
+        as_block = blocks and all(c.is_decode for c in plan.chunks)
+        # Only a step that checks the host's counts (`ahead`) is enqueued behind a step in
+        # flight; a block or another step reads it first. After a failed one the plan is
+        # dropped: it changed nothing the next plan does not redo (its admissions are running
+        # sequences at their start, their pages attached).
+        if (as_block or not self._ahead[plan.decode]) and not self._read_in_flight():
+            return []
+        if as_block:
             self._clock = time.perf_counter()
             rows = [c.seq for c in plan.chunks]
             self._block = _Block(rows, self._launch_block(self._block_inputs(rows)))

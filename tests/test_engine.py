@@ -816,3 +816,28 @@ def test_steps_stay_in_flight_only_outside_command_buffers():
     assert graphs == {k: jax.default_backend() != "gpu" for k in (True, False)}
     assert uses_command_buffers(SMALL_STEP_XLA_OPTIONS) and uses_command_buffers(())
     assert not uses_command_buffers(NO_GRAPHS)
+
+
+def test_a_step_without_the_check_is_enqueued_only_after_the_step_in_flight_is_read():
+    """Where one step kind checks the host's counts and the other does not (on a GPU: steps
+    with and without command buffers), the step in flight is read before an unchecked step is
+    enqueued: here the last token of a prompt, a one-token chunk, runs in the decode step."""
+    prompt, params = _prompt(17, 600), SamplingParams(4)
+    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8, decode_steps=None)
+    engine._ahead[True] = False  # the decode step kind as if it ran in a command buffer
+    events = []
+    read_step, decode_fn = engine._read_step, engine._decode_fns[False]
+    engine._read_step = lambda step, **kw: events.append("read") or read_step(step, **kw)
+    engine._decode_fns = dict.fromkeys(
+        (False, True), lambda *a, **kw: events.append("decode") or decode_fn(*a, **kw)
+    )
+    seq = engine.add_request(prompt, params)
+    engine.step()
+    engine.step()  # tokens 8-16 in flight
+    assert events == ["read"] and engine._step is not None
+    engine.step()  # token 16 (it samples): tokens 8-16 read first
+    assert events[:3] == ["read", "read", "decode"] and engine._step is None
+    while engine.has_work():
+        engine.step()
+    [ref] = _generate(_engine("xla", decode_steps=None, overlap=False), [prompt], params)
+    _assert_same([seq], [ref])
