@@ -486,27 +486,10 @@ def _cascade(
         .set(jnp.arange(num_seq_slots, dtype=jnp.int32), mode="drop")
     )
     packed_members = jnp.where(group_slot[:, None] >= 0, members[slot(group_slot)], -1)
+    packed_present = (packed_members >= 0) & (packed_members < num_seq_slots)
     packed_shared = jnp.where(group_slot >= 0, shared[slot(group_slot)], 0)
-    # Sequence s's prefix rows: (h, rank_of[s], :) of packed group packed[group_of[s]].
-    g, r = slot(groups.group_of), jnp.clip(groups.rank_of, 0, size - 1)
-    mine = (
-        (groups.group_of >= 0)
-        & (groups.group_of < num_seq_slots)
-        & (groups.rank_of >= 0)
-        & (groups.rank_of < size)
-        & (members[g, r] == jnp.arange(num_seq_slots))
-        & (packed[g] < num_group_slots)
-    )
-    p = jnp.clip(packed[g], 0, num_group_slots - 1)
-    own = jnp.where(mine, shared[g], 0)  # the pages the suffix call skips
-    # The index vectors once, as small kernels: fused into the [S, Hq, D] gathers below, XLA
-    # recomputed the packing's cumsum for every element.
-    packed_members, packed_shared, p, r, mine, own = lax.optimization_barrier(
-        (packed_members, packed_shared, p, r, mine, own)
-    )
 
     # Prefix: each group's members' queries as the rows of each KV head, over member 0's pages.
-    packed_present = (packed_members >= 0) & (packed_members < num_seq_slots)
     member_q = jnp.where(
         packed_present[:, :, None, None], q[slot(packed_members)], 0
     )  # [num_group_slots, n, Hq, D]
@@ -523,11 +506,23 @@ def _cascade(
         page_indices[slot(packed_members[:, 0])],
         num_splits=prefix_num_splits,
     )
+    # Back to sequences: rows (h, rank_of[s], :) of packed group packed[group_of[s]] are s's.
+    g, r = slot(groups.group_of), jnp.clip(groups.rank_of, 0, size - 1)
+    p = jnp.clip(packed[g], 0, num_group_slots - 1)
+    mine = (
+        (groups.group_of >= 0)
+        & (groups.group_of < num_seq_slots)
+        & (groups.rank_of >= 0)
+        & (groups.rank_of < size)
+        & (members[g, r] == jnp.arange(num_seq_slots))
+        & (packed[g] < num_group_slots)
+    )
     prefix_out = prefix_out.reshape(num_group_slots, num_kv_heads, size, group, head_dim)[p, :, r]
     prefix_lse = prefix_lse.reshape(num_group_slots, num_kv_heads, size, group)[p, :, r]
     prefix_lse = jnp.where(mine[:, None], prefix_lse.reshape(num_seq_slots, num_q_heads), -jnp.inf)
 
     # Suffix: each sequence's page table shifted past its shared pages.
+    own = jnp.where(mine, shared[g], 0)
     shifted = jnp.clip(jnp.arange(pages_per_seq)[None, :] + own[:, None], 0, pages_per_seq - 1)
     suffix_out, suffix_lse = decode(
         q,
