@@ -728,7 +728,8 @@ class Engine:
         self._release_pending()
         self._evict_and_attach()
         if not plan.chunks:
-            return self._finish_step()
+            self._read_in_flight()  # a step in flight samples nothing: it finishes nobody
+            return []
         blocks = self.config.decode_steps is not None and not record_prompt_logits
         as_block = blocks and all(c.is_decode for c in plan.chunks)
         # Only a step that checks the host's counts (`ahead`) is enqueued behind a step in
@@ -809,10 +810,6 @@ class Engine:
             return []
         block, self._block = self._block, None
         return self._finish_block(block)
-
-    def _finish_step(self) -> list[Sequence]:
-        self._read_in_flight()
-        return []  # a step in flight samples nothing, so it finishes nobody
 
     def _read_in_flight(self, *, after_failure: bool = False) -> bool:
         """Read the step in flight, if any (`_read_step`); False if it failed."""
