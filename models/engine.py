@@ -341,6 +341,13 @@ def uses_command_buffers(xla_options: tuple[tuple[str, object], ...]) -> bool:
     return dict(xla_options).get("xla_gpu_enable_command_buffer", "default") != ""
 
 
+def without_command_buffers(
+    xla_options: tuple[tuple[str, object], ...],
+) -> tuple[tuple[str, object], ...]:
+    """`xla_options` with command buffers turned off."""
+    return tuple({**dict(xla_options), **dict(LARGE_STEP_XLA_OPTIONS)}.items())
+
+
 def step_xla_options(num_tokens: int, *, decode: bool = False) -> tuple[tuple[str, object], ...]:
     """The XLA options of a step or block of `num_tokens` tokens (its T); `decode`: one token
     per row (decode projections keep XLA's Triton GEMMs at every batch: with the whole block
@@ -588,9 +595,17 @@ class Engine:
                 self.graphdef, treedef, decode_options, sharing, ahead=ahead
             )
             self._block_fns[True] = block_function(self.graphdef, treedef, decode_options, sharing)
-        self._mixed_fn = step_function(
-            self.graphdef, treedef, mixed_options, ahead=self._ahead[False]
-        )
+        # Mixed steps of prompt chunks that sample nothing may stay in flight (below). Where
+        # mixed steps run in command buffers, those run in a second kind without them: a
+        # prompt in chunks of 512 then keeps the GPU busy while the host plans and launches
+        # the next chunk (benchmarks/NOTES.md, "Session 12"). Keyed by whether the step may
+        # stay in flight.
+        mixed = step_function(self.graphdef, treedef, mixed_options, ahead=self._ahead[False])
+        self._mixed_fns = {False: mixed, True: mixed}
+        if not self._ahead[False]:
+            self._mixed_fns[True] = step_function(
+                self.graphdef, treedef, without_command_buffers(mixed_options), ahead=True
+            )
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(
@@ -633,12 +648,13 @@ class Engine:
             return None
         return PrefixSharing(size, config.shared_prefix_min_tokens)
 
-    def step_fn(self, decode: bool, shared_prefix: bool = True):
+    def step_fn(self, decode: bool, shared_prefix: bool = True, in_flight: bool = False):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
         *, decode, all_logits, implementation) -> (kv_pages, pool, StepOutputs)`, pages and
         pool donated. A decode step has the shared-prefix path when `prefix_sharing` is set,
-        unless `shared_prefix` is False."""
-        return self._decode_fns[shared_prefix] if decode else self._mixed_fn
+        unless `shared_prefix` is False; `in_flight`: the mixed step that may stay in flight
+        (on a GPU, without command buffers)."""
+        return self._decode_fns[shared_prefix] if decode else self._mixed_fns[in_flight]
 
     @property
     def block_fn(self):
@@ -732,11 +748,20 @@ class Engine:
             return []
         blocks = self.config.decode_steps is not None and not record_prompt_logits
         as_block = blocks and all(c.is_decode for c in plan.chunks)
-        # Only a step that checks the host's counts (`ahead`) is enqueued behind a step in
-        # flight; a block or another step reads it first. After a failed one the plan is
-        # dropped: it changed nothing the next plan does not redo (its admissions are running
-        # sequences at their start, their pages attached).
-        if (as_block or not self._ahead[plan.decode]) and not self._read_in_flight():
+        # A step that samples nothing (prompt chunks short of their prompts' ends) may stay in
+        # flight: no read before the next is planned. It runs in a kind that checks the
+        # host's counts (`ahead`; for mixed steps there is always one). Only a step of such a
+        # kind is enqueued behind a step in flight; a block or another step reads it first.
+        # After a failed one the plan is dropped: it changed nothing the next plan does not
+        # redo (its admissions are running sequences at their start, their pages attached).
+        stays = (
+            self.overlap
+            and not record_prompt_logits
+            and not any(c.samples for c in plan.chunks)
+            and (self._ahead[plan.decode] or not plan.decode)
+        )
+        checked = stays or self._ahead[plan.decode]
+        if (as_block or not checked) and not self._read_in_flight():
             return []
         if as_block:
             self._clock = time.perf_counter()
@@ -746,7 +771,7 @@ class Engine:
         inputs = self._inputs(plan)
         start = time.perf_counter()
         with self._calling():
-            fn = self.step_fn(plan.decode, shared_prefix=self._shares_pages())
+            fn = self.step_fn(plan.decode, shared_prefix=self._shares_pages(), in_flight=stays)
             self.kv_pages, self.pool, out = fn(
                 self.param_leaves,
                 self.kv_pages,
@@ -757,12 +782,10 @@ class Engine:
                 implementation=self.implementation,
             )
         self.stats.dispatch_time += time.perf_counter() - start
-        # A step that samples nothing (prompt chunks short of their prompts' ends) needs no
-        # read before the next is planned: it stays in flight, its chunks counted as cached,
-        # and the step before it is read now, while it runs.
+        # A step in flight has its chunks counted as cached; the step before it is read now,
+        # while it runs.
         previous, self._step = self._step, None
-        ahead = self.overlap and self._ahead[plan.decode] and not record_prompt_logits
-        if ahead and not any(c.samples for c in plan.chunks):
+        if stays:
             for c in plan.chunks:
                 c.seq.num_cached += c.length
             self._step = _Step(plan, [c.seq.slot for c in plan.chunks], start, out)

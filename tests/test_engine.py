@@ -22,7 +22,9 @@ from models.engine import (
     SMALL_STEP_XLA_OPTIONS,
     Engine,
     fork_samples,
+    step_function,
     uses_command_buffers,
+    without_command_buffers,
 )
 from models.prefix_cache import page_keys
 from models.scheduler import SamplingParams
@@ -816,6 +818,45 @@ def test_steps_stay_in_flight_only_outside_command_buffers():
     assert graphs == {k: jax.default_backend() != "gpu" for k in (True, False)}
     assert uses_command_buffers(SMALL_STEP_XLA_OPTIONS) and uses_command_buffers(())
     assert not uses_command_buffers(NO_GRAPHS)
+    assert not uses_command_buffers(without_command_buffers(SMALL_STEP_XLA_OPTIONS))
+    assert dict(without_command_buffers(SMALL_STEP_XLA_OPTIONS))["xla_gpu_graph_min_graph_size"]
+    # The mixed steps that may stay in flight: on a GPU a kind of their own, without them.
+    engine = _engine("xla", xla_options=SMALL_STEP_XLA_OPTIONS)
+    treedef = jax.tree.structure(engine.params)
+    in_flight = step_function(
+        engine.graphdef, treedef, without_command_buffers(SMALL_STEP_XLA_OPTIONS), ahead=True
+    )
+    on_gpu = jax.default_backend() == "gpu"
+    assert (engine.step_fn(False, in_flight=True) is in_flight) == on_gpu
+    assert (engine.step_fn(False, in_flight=True) is engine.step_fn(False)) != on_gpu
+
+
+def test_prompt_chunks_leave_command_buffers_to_stay_in_flight():
+    """Where mixed steps run in command buffers (on a GPU), a step of prompt chunks that
+    samples nothing runs in the mixed kind without them and stays in flight; the chunk that
+    samples runs in the command-buffer kind, enqueued after the step in flight is read."""
+    prompt, params = _prompt(20, 700), SamplingParams(4)
+    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8, decode_steps=None)
+    engine._ahead[False] = False  # mixed steps as if they ran in command buffers
+    treedef = jax.tree.structure(engine.params)
+    graph_fn = step_function(engine.graphdef, treedef, (), ahead=False)
+    in_flight_fn = engine._mixed_fns[True]
+    events = []
+    read_step = engine._read_step
+    engine._read_step = lambda step, **kw: events.append("read") or read_step(step, **kw)
+    engine._mixed_fns = {
+        False: lambda *a, **kw: events.append("graph") or graph_fn(*a, **kw),
+        True: lambda *a, **kw: events.append("in flight") or in_flight_fn(*a, **kw),
+    }
+    seq = engine.add_request(prompt, params)
+    for _ in range(3):  # tokens 0-8 and 8-16 in flight in turn, then 16-20 (it samples)
+        engine.step()
+    assert events == ["in flight", "in flight", "read", "read", "graph"]
+    assert engine._step is None and engine.stats.steps_in_flight == 2
+    while engine.has_work():
+        engine.step()
+    [ref] = _generate(_engine("xla", decode_steps=None, overlap=False), [prompt], params)
+    _assert_same([seq], [ref])
 
 
 def test_a_step_without_the_check_is_enqueued_only_after_the_step_in_flight_is_read():
