@@ -187,6 +187,99 @@ def apply_rope(
     return rotated.astype(x.dtype)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis as flax's `nnx.RMSNorm` computes it (bit for bit): float32
+    statistics, x times (rsqrt * scale), rounded to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return (x32 * (jax.lax.rsqrt(mean_sq + eps) * scale.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_append(
+    qkv: jax.Array,
+    positions: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    slots: jax.Array,
+    *,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    q_scale: jax.Array | None = None,
+    k_scale: jax.Array | None = None,
+    eps: float = 1e-6,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What an attention layer does between its QKV projection and attention: the optional
+    qk-norm, RoPE of q and k, and the write of the new K/V into the pages.
+
+    Args:
+      qkv: [T, Hkv, G + 2, D] the projection in `fuse_qkv`'s order: per KV head its G query
+        heads, its k, its v.
+      positions: i32[T] the tokens' positions.
+      k_pages, v_pages: [P, page_size, Hkv, D] one layer's pages (updated; donate them).
+      slots: i32[T] each token's pool slot (`jaxpaged.kv_slots`); -1, or a slot outside the
+        pool, writes nothing.
+      theta, scaling: RoPE's, as `apply_rope`.
+      q_scale, k_scale: f32 or the dtype's [D] RMSNorm scales of q and k (both or neither).
+      eps: RMSNorm's epsilon.
+      implementation: "xla" (the reference: `rms_norm`, `apply_rope`, `write_kv`), "triton"
+        (one Pallas kernel; interpret mode off-GPU); None or "mosaic": the kernel on a GPU
+        where it takes the shapes, else the reference.
+
+    Returns:
+      `(q [T, Hkv * G, D], k_pages, v_pages)`, q in the pages' dtype.
+    """
+    num_tokens, num_kv_heads, group2, head_dim = qkv.shape if qkv.ndim == 4 else (0,) * 4
+    if qkv.ndim != 4 or group2 < 3 or k_pages.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"qkv must be [T, Hkv, G + 2, D] with the pages' Hkv and D {k_pages.shape[2:]}; "
+            f"got {qkv.shape}"
+        )
+    if positions.shape != (num_tokens,) or slots.shape != (num_tokens,):
+        raise ValueError(
+            f"positions and slots must be i32[T={num_tokens}]; got {positions.shape}, "
+            f"{slots.shape}"
+        )
+    if (q_scale is None) != (k_scale is None):
+        raise ValueError("q_scale and k_scale go together: pass both or neither")
+    if q_scale is not None and (q_scale.shape, k_scale.shape) != ((head_dim,),) * 2:
+        raise ValueError(
+            f"q_scale and k_scale must be [D={head_dim}]; got {q_scale.shape}, {k_scale.shape}"
+        )
+    if implementation not in (None, "xla", "triton", "mosaic"):
+        raise ValueError(f"unknown implementation {implementation!r}")
+    group = group2 - 2
+    on_gpu = jax.default_backend() == "gpu"
+    kernel = implementation == "triton" or (implementation != "xla" and on_gpu)
+    if kernel and qkv.dtype == k_pages.dtype == v_pages.dtype:
+        from pallas_kernels.triton import rope_append as fused  # noqa: PLC0415
+
+        if fused.supported(group, head_dim):
+            angles = positions.astype(jnp.float32)[:, None] * rope_frequencies(
+                head_dim, theta, scaling
+            )
+            return fused.rope_append(
+                qkv,
+                jnp.cos(angles),
+                jnp.sin(angles),
+                q_scale,
+                k_scale,
+                k_pages,
+                v_pages,
+                slots.astype(jnp.int32),
+                eps=eps,
+                interpret=not on_gpu,
+            )
+    q = qkv[:, :, :group].reshape(num_tokens, num_kv_heads * group, head_dim)
+    k, v = qkv[:, :, group], qkv[:, :, group + 1]
+    if q_scale is not None:
+        q, k = rms_norm(q, q_scale, eps), rms_norm(k, k_scale, eps)
+    q = apply_rope(q, positions, theta, scaling).astype(k_pages.dtype)
+    k = apply_rope(k, positions, theta, scaling).astype(k_pages.dtype)
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v.astype(v_pages.dtype), slots)
+    return q, k_pages, v_pages
+
+
 TP_AXIS = "tp"  # the mesh axis tensor parallelism splits heads over
 
 
@@ -255,6 +348,7 @@ class PagedAttention(nnx.Module):
             raise ValueError(f"RoPE needs an even head_dim; got {head_dim}")
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.eps = norm_eps
         self.sliding_window = sliding_window
         linear = functools.partial(
             nnx.Linear, dtype=dtype, param_dtype=dtype, precision=precision, rngs=rngs
@@ -293,12 +387,29 @@ class PagedAttention(nnx.Module):
           `(out [T, hidden], k_pages, v_pages)`; padding tokens give arbitrary finite rows.
         """
         num_tokens = x.shape[0]
-        q, k, v = self.project(x, meta.positions)
-        q, k, v = q.astype(k_pages.dtype), k.astype(k_pages.dtype), v.astype(v_pages.dtype)
         attend = functools.partial(
             _attend, sliding_window=self.sliding_window, implementation=implementation
         )
         tp = tensor_parallel_size()
+        if tp == 1 and meta.kv_slots is not None:
+            q, k_pages, v_pages = rope_append(
+                self._qkv(x),
+                meta.positions,
+                k_pages,
+                v_pages,
+                meta.kv_slots,
+                theta=self.rope_theta,
+                scaling=self.rope_scaling,
+                q_scale=None if self.q_norm is None else self.q_norm.scale[...],
+                k_scale=None if self.k_norm is None else self.k_norm.scale[...],
+                eps=self.eps,
+                implementation=implementation,
+            )
+            out, k_pages, v_pages = attend(q, None, None, k_pages, v_pages, meta)
+            out = self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
+            return out, k_pages, v_pages
+        q, k, v = self.project(x, meta.positions)
+        q, k, v = q.astype(k_pages.dtype), k.astype(k_pages.dtype), v.astype(v_pages.dtype)
         if tp > 1:
             if self.num_kv_heads % tp:
                 raise ValueError(
@@ -317,24 +428,33 @@ class PagedAttention(nnx.Module):
         out = self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
         return out, k_pages, v_pages
 
+    def _qkv(self, x: jax.Array) -> jax.Array:
+        """x [T, hidden] -> the projection [T, Hkv, G + 2, D] (`fuse_qkv`'s order)."""
+        group = self.num_q_heads // self.num_kv_heads
+        return self.qkv_proj(x).reshape(x.shape[0], self.num_kv_heads, group + 2, self.head_dim)
+
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """x [T, hidden] at positions i32[T] -> rotated q [T, Hq, D], rotated k and v
         [T, Hkv, D], in the layer's dtype."""
         group = self.num_q_heads // self.num_kv_heads
-        qkv = self.qkv_proj(x).reshape(x.shape[0], self.num_kv_heads, group + 2, self.head_dim)
+        qkv = self._qkv(x)
         q = qkv[:, :, :group].reshape(x.shape[0], self.num_q_heads, self.head_dim)
         k, v = qkv[:, :, group], qkv[:, :, group + 1]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = rms_norm(q, self.q_norm.scale[...], self.eps)
+            k = rms_norm(k, self.k_norm.scale[...], self.eps)
         q = apply_rope(q, positions, self.rope_theta, self.rope_scaling)
         k = apply_rope(k, positions, self.rope_theta, self.rope_scaling)
         return q, k, v
 
 
 def _attend(q, k, v, k_pages, v_pages, meta, *, sliding_window, implementation):
-    """Append one layer's new K/V to its pages and attend: (out [T, Hq, D], k_pages, v_pages).
-    Under tensor parallelism it runs on each device's heads (`shard_map`)."""
-    if meta.kv_slots is not None:
+    """Append one layer's new K/V to its pages (k and v None: already appended) and attend:
+    (out [T, Hq, D], k_pages, v_pages). Under tensor parallelism it runs on each device's
+    heads (`shard_map`)."""
+    if k is None:
+        pass  # appended by `rope_append`
+    elif meta.kv_slots is not None:
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta.kv_slots)
     else:
         k_pages, v_pages = append_kv(

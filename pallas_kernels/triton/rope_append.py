@@ -1,0 +1,126 @@
+"""The attention layer's work between its QKV projection and attention, as one Pallas kernel
+(Triton lowering): qk-norm, RoPE, and the K/V append to the pages.
+
+XLA compiles the same arithmetic (`jaxpaged.kv_cache.rope_append`'s reference) into six to
+seven small kernels per layer: the q and k norm reductions, the rotation, converts and two
+scatters. At batch 1 each costs what any kernel costs in a CUDA graph (~1.3 us), and without
+command buffers each launch costs the host ~10 us (benchmarks/NOTES.md, "Session 12"). One
+program per (token, KV head) reads that head's G query rows, its k row and its v row, and
+writes the rotated queries and the new K/V slot.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import poison_enabled
+
+
+def supported(group: int, head_dim: int) -> bool:
+    """Whether the kernel takes GQA groups of `group` query heads and `head_dim`: Triton blocks
+    are powers of two, here [G, D/2]."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0 and group >= 1
+
+
+def rope_append(
+    qkv: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    q_scale: jax.Array | None,
+    k_scale: jax.Array | None,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    slots: jax.Array,
+    *,
+    eps: float,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`jaxpaged.kv_cache.rope_append` in one kernel; arguments and results as there (checked
+    there). The pages are updated in place (aliased)."""
+    num_tokens, num_kv_heads, group2, head_dim = qkv.shape
+    group = group2 - 2
+    num_pages, page_size = k_pages.shape[:2]
+    q_shape = jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), k_pages.dtype)
+    qk_norm = q_scale is not None
+    scales = [q_scale, k_scale] if qk_norm else []
+    flat = (num_pages * page_size, num_kv_heads, head_dim)
+    inputs = [slots, qkv, cos, sin, *scales, k_pages.reshape(flat), v_pages.reshape(flat)]
+    aliases = {len(inputs) - 2: 1, len(inputs) - 1: 2}
+    if poison_enabled():
+        inputs.append(jnp.full(q_shape.shape, jnp.nan, q_shape.dtype))
+        aliases[len(inputs) - 1] = 0
+    page_shape = jax.ShapeDtypeStruct(flat, k_pages.dtype)
+    q, k_flat, v_flat = pl.pallas_call(
+        lambda *refs: _kernel(*refs, group=group, qk_norm=qk_norm, eps=eps),
+        grid=(num_tokens, num_kv_heads),
+        out_shape=(q_shape, page_shape, page_shape),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="rope_append",
+    )(*inputs)
+    return q, k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+
+
+def _kernel(slots_ref, qkv_ref, cos_ref, sin_ref, *refs, group, qk_norm, eps):
+    q_ref, k_ref, v_ref = refs[-3:]
+    scale_refs = refs[:2] if qk_norm else ()
+    token, head = pl.program_id(0), pl.program_id(1)
+    head_dim = qkv_ref.shape[3]
+    half = head_dim // 2
+    dtype = k_ref.dtype
+    # All integer indexers (no slices): gathers lower the same in Triton and in interpret mode.
+    block = pl.next_power_of_2(group)
+    rows = jnp.arange(block, dtype=jnp.int32)[:, None]
+    row_ok = rows < group
+    lo = jnp.arange(half, dtype=jnp.int32)[None, :]
+    hi = lo + half
+    cos = plgpu.load(cos_ref.at[token, lo])  # [1, D/2]
+    sin = plgpu.load(sin_ref.at[token, lo])
+
+    def load(row, cols, mask=None):
+        return plgpu.load(qkv_ref.at[token, head, row, cols], mask=mask, other=0).astype(
+            jnp.float32
+        )
+
+    def norm(x1, x2, scale_ref):
+        """RMSNorm over D as flax's `nnx.RMSNorm` computes it: float32 statistics, the row
+        times (rsqrt * scale), rounded to the dtype."""
+        if scale_ref is None:
+            return x1, x2
+        mean_sq = (jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / head_dim
+        r = lax.rsqrt(mean_sq + eps)[:, None]
+        s1 = plgpu.load(scale_ref.at[lo]).astype(jnp.float32)
+        s2 = plgpu.load(scale_ref.at[hi]).astype(jnp.float32)
+        return (
+            (x1 * (r * s1)).astype(dtype).astype(jnp.float32),
+            (x2 * (r * s2)).astype(dtype).astype(jnp.float32),
+        )
+
+    def rotate(x1, x2):
+        return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
+
+    q_scale, k_scale = scale_refs if qk_norm else (None, None)
+    q1, q2 = rotate(*norm(load(rows, lo, row_ok), load(rows, hi, row_ok), q_scale))
+    q_rows = head * group + rows
+    plgpu.store(q_ref.at[token, q_rows, lo], q1, mask=row_ok)
+    plgpu.store(q_ref.at[token, q_rows, hi], q2, mask=row_ok)
+
+    # The new K/V slot: -1, or any slot outside the pool, writes nothing.
+    num_slots = k_ref.shape[0]
+    slot = slots_ref[token]
+    ok = (slot >= 0) & (slot < num_slots)
+    slot = jnp.clip(slot, 0, num_slots - 1)
+    kv_row = jnp.zeros((1, 1), jnp.int32)
+    k1, k2 = rotate(*norm(load(kv_row + group, lo), load(kv_row + group, hi), k_scale))
+    mask = jnp.full((1, half), ok)
+    plgpu.store(k_ref.at[slot, head, lo], k1, mask=mask)
+    plgpu.store(k_ref.at[slot, head, hi], k2, mask=mask)
+    cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    v = plgpu.load(qkv_ref.at[token, head, kv_row + group + 1, cols])
+    plgpu.store(v_ref.at[slot, head, cols], v.astype(dtype), mask=jnp.full((1, head_dim), ok))

@@ -1,0 +1,130 @@
+"""`jaxpaged.layers.rope_append` (qk-norm, RoPE and the K/V append of an attention layer)
+against a float64 numpy oracle: the reference ("xla") and the Pallas kernel
+(pallas_kernels/triton/rope_append.py) in interpret mode on CPU and compiled on a GPU
+(`-m gpu`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.layers import RopeScaling, rope_append, rope_frequencies
+from pallas_kernels.common import poison_outputs
+
+# q and the new K are RMS-normalized rows (times scales near 1) rotated: values up to ~4. The
+# reference and the kernel round twice, after the norm and after the rotation (half an ulp
+# each: 2^-9 relative in bfloat16, 2^-12 in float16), of float32 arithmetic (~1e-6).
+ATOL = {jnp.float32: 2e-5, jnp.bfloat16: 4e-2, jnp.float16: 5e-3}
+ON_GPU = jax.default_backend() == "gpu"
+IMPLEMENTATIONS = [
+    pytest.param("xla", id="xla"),
+    pytest.param("triton", id="triton"),
+    pytest.param(None, id="auto-gpu", marks=pytest.mark.gpu),
+]
+NUM_PAGES, PAGE = 6, 4
+
+
+def _oracle(qkv, positions, scales, eps, theta, scaling):
+    x = np.asarray(qkv, np.float64)
+    num_tokens, num_kv_heads, group2, head_dim = x.shape
+    group = group2 - 2
+    q = x[:, :, :group].reshape(num_tokens, -1, head_dim)
+    k, v = x[:, :, group], x[:, :, group + 1]
+    if scales is not None:
+        q_scale, k_scale = (np.asarray(s, np.float64) for s in scales)
+        q = q / np.sqrt((q * q).mean(-1, keepdims=True) + eps) * q_scale
+        k = k / np.sqrt((k * k).mean(-1, keepdims=True) + eps) * k_scale
+    # The angles are float32 products, as in the model (and Hugging Face's): at positions of
+    # ~40k their rounding is ~2e-3 radians, part of the spec rather than an error.
+    freq = rope_frequencies(head_dim, theta, scaling)
+    angles = (np.asarray(positions, np.float32)[:, None, None] * freq).astype(np.float64)
+    cos, sin = np.cos(angles), np.sin(angles)
+
+    def rotate(a):
+        a1, a2 = np.split(a, 2, axis=-1)
+        return np.concatenate([a1 * cos - a2 * sin, a2 * cos + a1 * sin], axis=-1)
+
+    return rotate(q), rotate(k), v
+
+
+def _inputs(num_tokens, num_kv_heads, group, head_dim, dtype, seed):
+    keys = jax.random.split(jax.random.key(seed), 6)
+    qkv = 2 * jax.random.normal(keys[0], (num_tokens, num_kv_heads, group + 2, head_dim))
+    positions = jax.random.randint(keys[1], (num_tokens,), 0, 40_000, jnp.int32)
+    scales = [1 + 0.3 * jax.random.normal(k, (head_dim,)) for k in keys[2:4]]
+    shape = (NUM_PAGES, PAGE, num_kv_heads, head_dim)
+    k_pages, v_pages = (jax.random.normal(k, shape) for k in keys[4:6])
+    # Distinct slots, then one -1 and one past the pool: those two write nothing.
+    rng = np.random.default_rng(seed)
+    slots = rng.permutation(NUM_PAGES * PAGE)[: num_tokens - 2].tolist() + [-1, NUM_PAGES * PAGE]
+    cast = [a.astype(dtype) for a in (qkv, k_pages, v_pages, *scales)]
+    return cast[0], positions, cast[1], cast[2], jnp.asarray(slots, jnp.int32), cast[3:]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "dtype,group,head_dim,qk_norm,scaling",
+    [
+        (jnp.float32, 2, 128, True, None),
+        (jnp.bfloat16, 2, 128, True, None),
+        (jnp.bfloat16, 4, 64, False, RopeScaling("llama3", 8.0)),
+        (jnp.float16, 1, 256, True, None),
+        (jnp.bfloat16, 3, 128, True, RopeScaling("linear", 2.0)),  # G=3: padded rows
+    ],
+)
+def test_rope_append_matches_the_oracle(implementation, dtype, group, head_dim, qk_norm, scaling):
+    if implementation == "triton" and ON_GPU:
+        pytest.skip("compiled here: runs as auto-gpu")
+    num_kv_heads, eps, theta = 2, 1e-6, 1e6
+    qkv, positions, k_pages, v_pages, slots, scales = _inputs(
+        11, num_kv_heads, group, head_dim, dtype, seed=group * head_dim
+    )
+    old_k, old_v = np.asarray(k_pages, np.float64), np.asarray(v_pages, np.float64)
+    scales = scales if qk_norm else None
+    with poison_outputs():
+        q, k_pages, v_pages = jax.jit(
+            rope_append,
+            static_argnames=("theta", "scaling", "eps", "implementation"),
+            donate_argnums=(2, 3),
+        )(
+            qkv,
+            positions,
+            k_pages,
+            v_pages,
+            slots,
+            theta=theta,
+            scaling=scaling,
+            q_scale=None if scales is None else scales[0],
+            k_scale=None if scales is None else scales[1],
+            eps=eps,
+            implementation=implementation,
+        )
+    want_q, want_k, want_v = _oracle(qkv, positions, scales, eps, theta, scaling)
+    assert q.dtype == k_pages.dtype == dtype and q.shape == want_q.shape
+    q, k_pages, v_pages = (np.asarray(a, np.float64) for a in (q, k_pages, v_pages))
+    assert not np.isnan(q).any()
+    np.testing.assert_allclose(q, want_q, atol=ATOL[dtype], rtol=0)
+    flat = (NUM_PAGES * PAGE, num_kv_heads, head_dim)
+    k_rows, v_rows = k_pages.reshape(flat), v_pages.reshape(flat)
+    live = np.asarray(slots[:-2])
+    np.testing.assert_allclose(k_rows[live], want_k[:-2], atol=ATOL[dtype], rtol=0)
+    np.testing.assert_array_equal(v_rows[live], want_v[:-2])  # copied, never rounded
+    # Every other slot, including the ones of the two tokens that write nothing, is untouched.
+    rest = np.setdiff1d(np.arange(flat[0]), live)
+    np.testing.assert_array_equal(k_rows[rest], old_k.reshape(flat)[rest])
+    np.testing.assert_array_equal(v_rows[rest], old_v.reshape(flat)[rest])
+
+
+def test_rope_append_rejects_bad_arguments():
+    qkv, positions, k_pages, v_pages, slots, (qs, ks) = _inputs(5, 2, 2, 64, jnp.float32, 0)
+    call = dict(theta=1e4, implementation="xla")
+    with pytest.raises(ValueError, match=r"qkv must be \[T, Hkv, G \+ 2, D\]"):
+        rope_append(qkv[:, :1], positions, k_pages, v_pages, slots, **call)
+    with pytest.raises(ValueError, match="positions and slots must be"):
+        rope_append(qkv, positions[:3], k_pages, v_pages, slots, **call)
+    with pytest.raises(ValueError, match="q_scale and k_scale go together"):
+        rope_append(qkv, positions, k_pages, v_pages, slots, q_scale=qs, **call)
+    with pytest.raises(ValueError, match=r"must be \[D=64\]"):
+        rope_append(qkv, positions, k_pages, v_pages, slots, q_scale=qs[:8], k_scale=ks, **call)
+    with pytest.raises(ValueError, match="unknown implementation 'cuda'"):
+        rope_append(qkv, positions, k_pages, v_pages, slots, theta=1e4, implementation="cuda")
