@@ -237,8 +237,7 @@ def rope_append(
         )
     if positions.shape != (num_tokens,) or slots.shape != (num_tokens,):
         raise ValueError(
-            f"positions and slots must be i32[T={num_tokens}]; got {positions.shape}, "
-            f"{slots.shape}"
+            f"positions and slots must be i32[T={num_tokens}]; got {positions.shape}, {slots.shape}"
         )
     if (q_scale is None) != (k_scale is None):
         raise ValueError("q_scale and k_scale go together: pass both or neither")
