@@ -84,9 +84,8 @@ def _kernel(slots_ref, qkv_ref, cos_ref, sin_ref, *refs, group, qk_norm, eps):
     sin = plgpu.load(sin_ref.at[token, lo])
 
     def load(row, cols, mask=None):
-        return plgpu.load(qkv_ref.at[token, head, row, cols], mask=mask, other=0).astype(
-            jnp.float32
-        )
+        kw = {} if mask is None else dict(mask=mask, other=0)
+        return plgpu.load(qkv_ref.at[token, head, row, cols], **kw).astype(jnp.float32)
 
     def norm(x1, x2, scale_ref):
         """RMSNorm over D as flax's `nnx.RMSNorm` computes it: float32 statistics, the row
