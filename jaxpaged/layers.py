@@ -195,6 +195,47 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (x32 * (jax.lax.rsqrt(mean_sq + eps) * scale.astype(jnp.float32))).astype(x.dtype)
 
 
+def add_rms_norm(
+    x: jax.Array,
+    h: jax.Array,
+    scale: jax.Array,
+    *,
+    eps: float = 1e-6,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """A residual add and the RMSNorm after it: `(s, rms_norm(s, scale, eps))` for
+    `s = x + h` in x's dtype.
+
+    Args:
+      x, h: [T, hidden] the residual stream and a layer's output, of one dtype.
+      scale: [hidden] the norm's scale.
+      implementation: as `rope_append`'s: "xla" the reference, "triton" one Pallas kernel
+        (interpret mode off-GPU), None or "mosaic" the kernel on a GPU.
+    """
+    if x.ndim != 2 or h.shape != x.shape or h.dtype != x.dtype:
+        raise ValueError(
+            f"x and h must be [T, hidden] of one shape and dtype; got {x.dtype}{list(x.shape)}, "
+            f"{h.dtype}{list(h.shape)}"
+        )
+    if scale.shape != x.shape[1:]:
+        raise ValueError(f"scale must be [hidden={x.shape[1]}]; got {scale.shape}")
+    if _use_kernel(implementation):
+        from pallas_kernels.triton import add_rms_norm as fused  # noqa: PLC0415
+
+        return fused.add_rms_norm(x, h, scale, eps=eps, interpret=jax.default_backend() != "gpu")
+    total = x + h
+    return total, rms_norm(total, scale, eps)
+
+
+def _use_kernel(implementation: str | None) -> bool:
+    """Whether `rope_append` and `add_rms_norm` run their Pallas kernel (Triton lowering):
+    "triton" anywhere (interpret mode off-GPU), None or "mosaic" on a GPU; "xla" never."""
+    if implementation not in (None, "xla", "triton", "mosaic"):
+        raise ValueError(f"unknown implementation {implementation!r}")
+    on_gpu = jax.default_backend() == "gpu"
+    return implementation == "triton" or (implementation != "xla" and on_gpu)
+
+
 def rope_append(
     qkv: jax.Array,
     positions: jax.Array,
@@ -245,12 +286,9 @@ def rope_append(
         raise ValueError(
             f"q_scale and k_scale must be [D={head_dim}]; got {q_scale.shape}, {k_scale.shape}"
         )
-    if implementation not in (None, "xla", "triton", "mosaic"):
-        raise ValueError(f"unknown implementation {implementation!r}")
     group = group2 - 2
     on_gpu = jax.default_backend() == "gpu"
-    kernel = implementation == "triton" or (implementation != "xla" and on_gpu)
-    if kernel and qkv.dtype == k_pages.dtype == v_pages.dtype:
+    if _use_kernel(implementation) and qkv.dtype == k_pages.dtype == v_pages.dtype:
         from pallas_kernels.triton import rope_append as fused  # noqa: PLC0415
 
         if fused.supported(group, head_dim):

@@ -80,12 +80,24 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = norm()
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, k_pages, v_pages, meta, *, implementation):
+    def __call__(self, x, normed, k_pages, v_pages, meta, *, implementation):
+        """x: the residual stream [T, hidden]; normed: `input_norm(x)`. Returns
+        `(x + attention, mlp output, k_pages, v_pages)`: the caller adds the MLP's output and
+        takes the next norm in one op (`jaxpaged.add_rms_norm`)."""
         h, k_pages, v_pages = self.attn(
-            self.input_norm(x), k_pages, v_pages, meta, implementation=implementation
+            normed, k_pages, v_pages, meta, implementation=implementation
         )
-        x = x + h
-        return x + self.mlp(self.post_attention_norm(x)), k_pages, v_pages
+        x, normed = _add_norm(x, h, self.post_attention_norm, implementation)
+        return x, self.mlp(normed), k_pages, v_pages
+
+
+def _add_norm(x, h, norm: nnx.RMSNorm, implementation) -> tuple[jax.Array, jax.Array]:
+    """`(x + h, norm(x + h))`, h None: `(x, norm(x))`."""
+    if h is None:
+        return x, norm(x)
+    return jaxpaged.add_rms_norm(
+        x, h, norm.scale[...], eps=norm.epsilon, implementation=implementation
+    )
 
 
 class Decoder(nnx.Module):
@@ -134,12 +146,15 @@ class Decoder(nnx.Module):
     ) -> tuple[jax.Array, KVPages]:
         """tokens: i32[T] packed like the attention's `q`; kv_pages: one (k, v) per layer.
         Returns the normalized hidden states [T, hidden] and the updated pages."""
-        x = self.embed(tokens)
+        x, h = self.embed(tokens), None
         new_pages = []
         for layer, (k_pages, v_pages) in zip(self.layers, kv_pages, strict=True):
-            x, k_pages, v_pages = layer(x, k_pages, v_pages, meta, implementation=implementation)
+            x, normed = _add_norm(x, h, layer.input_norm, implementation)
+            x, h, k_pages, v_pages = layer(
+                x, normed, k_pages, v_pages, meta, implementation=implementation
+            )
             new_pages.append((k_pages, v_pages))
-        return self.norm(x), new_pages
+        return _add_norm(x, h, self.norm, implementation)[1], new_pages
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] -> f32[N, vocab].

@@ -1,14 +1,15 @@
-"""`jaxpaged.layers.rope_append` (qk-norm, RoPE and the K/V append of an attention layer)
-against a float64 numpy oracle: the reference ("xla") and the Pallas kernel
-(pallas_kernels/triton/rope_append.py) in interpret mode on CPU and compiled on a GPU
-(`-m gpu`)."""
+"""The layer ops with Pallas kernels of their own, against float64 numpy oracles: the
+reference ("xla") and the kernel (Triton lowering) in interpret mode on CPU and compiled on a
+GPU (`-m gpu`). `jaxpaged.rope_append` (qk-norm, RoPE and the K/V append of an attention
+layer: pallas_kernels/triton/rope_append.py) and `jaxpaged.add_rms_norm` (a residual add and
+the RMSNorm after it: pallas_kernels/triton/add_rms_norm.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.layers import RopeScaling, rope_append, rope_frequencies
+from jaxpaged.layers import RopeScaling, add_rms_norm, rope_append, rope_frequencies
 from pallas_kernels.common import poison_outputs
 
 # q and the new K are RMS-normalized rows (times scales near 1) rotated: values up to ~4. The
@@ -128,3 +129,38 @@ def test_rope_append_rejects_bad_arguments():
         rope_append(qkv, positions, k_pages, v_pages, slots, q_scale=qs[:8], k_scale=ks, **call)
     with pytest.raises(ValueError, match="unknown implementation 'cuda'"):
         rope_append(qkv, positions, k_pages, v_pages, slots, theta=1e4, implementation="cuda")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "dtype,hidden", [(jnp.float32, 256), (jnp.bfloat16, 2048), (jnp.float16, 896)]
+)
+def test_add_rms_norm_matches_the_oracle(implementation, dtype, hidden):
+    """hidden 896 (Qwen2-0.5B's) is no power of two: the kernel's padded columns."""
+    if implementation == "triton" and ON_GPU:
+        pytest.skip("compiled here: runs as auto-gpu")
+    keys = jax.random.split(jax.random.key(hidden), 3)
+    x, h = (3 * jax.random.normal(k, (7, hidden)) for k in keys[:2])
+    scale = 1 + 0.3 * jax.random.normal(keys[2], (hidden,))
+    x, h, scale = (a.astype(dtype) for a in (x, h, scale))
+    with poison_outputs():
+        total, normed = jax.jit(add_rms_norm, static_argnames=("eps", "implementation"))(
+            x, h, scale, eps=1e-5, implementation=implementation
+        )
+    # The sum is rounded once to the dtype (half an ulp of values up to ~12); the norm is of
+    # that rounded sum, then rounded once more (values up to ~4).
+    want_total = np.asarray(x, np.float64) + np.asarray(h, np.float64)
+    np.testing.assert_allclose(np.asarray(total, np.float64), want_total, atol=3 * ATOL[dtype])
+    t = np.asarray(total, np.float64)
+    want = t / np.sqrt((t * t).mean(-1, keepdims=True) + 1e-5) * np.asarray(scale, np.float64)
+    got = np.asarray(normed, np.float64)
+    assert total.dtype == normed.dtype == dtype and not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, atol=ATOL[dtype], rtol=0)
+
+
+def test_add_rms_norm_rejects_bad_arguments():
+    x = jnp.ones((3, 64), jnp.float32)
+    with pytest.raises(ValueError, match="x and h must be"):
+        add_rms_norm(x, x[:, :32], x[0])
+    with pytest.raises(ValueError, match=r"scale must be \[hidden=64\]"):
+        add_rms_norm(x, x, x[0, :8])
