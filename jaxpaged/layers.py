@@ -19,7 +19,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.attention import paged_decode_attention, ragged_paged_attention
+from jaxpaged.attention import (
+    paged_decode_attention,
+    quiet_triton_deprecation,
+    ragged_paged_attention,
+)
 from jaxpaged.kv_cache import append_kv, kv_slots, write_kv
 from jaxpaged.reference import token_positions
 from jaxpaged.shared_prefix import PrefixGroups, shared_prefix_decode_attention
@@ -222,7 +226,10 @@ def add_rms_norm(
     if _use_kernel(implementation):
         from pallas_kernels.triton import add_rms_norm as fused  # noqa: PLC0415
 
-        return fused.add_rms_norm(x, h, scale, eps=eps, interpret=jax.default_backend() != "gpu")
+        with quiet_triton_deprecation():
+            return fused.add_rms_norm(
+                x, h, scale, eps=eps, interpret=jax.default_backend() != "gpu"
+            )
     total = x + h
     return total, rms_norm(total, scale, eps)
 
@@ -295,18 +302,19 @@ def rope_append(
             angles = positions.astype(jnp.float32)[:, None] * rope_frequencies(
                 head_dim, theta, scaling
             )
-            return fused.rope_append(
-                qkv,
-                jnp.cos(angles),
-                jnp.sin(angles),
-                q_scale,
-                k_scale,
-                k_pages,
-                v_pages,
-                slots.astype(jnp.int32),
-                eps=eps,
-                interpret=not on_gpu,
-            )
+            with quiet_triton_deprecation():
+                return fused.rope_append(
+                    qkv,
+                    jnp.cos(angles),
+                    jnp.sin(angles),
+                    q_scale,
+                    k_scale,
+                    k_pages,
+                    v_pages,
+                    slots.astype(jnp.int32),
+                    eps=eps,
+                    interpret=not on_gpu,
+                )
     q = qkv[:, :, :group].reshape(num_tokens, num_kv_heads * group, head_dim)
     k, v = qkv[:, :, group], qkv[:, :, group + 1]
     if q_scale is not None:
