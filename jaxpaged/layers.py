@@ -271,8 +271,9 @@ def rope_append(
       q_scale, k_scale: f32 or the dtype's [D] RMSNorm scales of q and k (both or neither).
       eps: RMSNorm's epsilon.
       implementation: "xla" (the reference: `rms_norm`, `apply_rope`, `write_kv`), "triton"
-        (one Pallas kernel; interpret mode off-GPU); None or "mosaic": the kernel on a GPU
-        where it takes the shapes, else the reference.
+        (one Pallas kernel; interpret mode off-GPU), None or "mosaic" (the kernel on a GPU).
+        The kernel takes D / 2 a power of two >= 16 and qkv in the pages' dtype; other calls
+        run the reference.
 
     Returns:
       `(q [T, Hkv * G, D], k_pages, v_pages)`, q in the pages' dtype.
