@@ -299,7 +299,7 @@ def rope_append(
     if _use_kernel(implementation) and qkv.dtype == k_pages.dtype == v_pages.dtype:
         from pallas_kernels.triton import rope_append as fused  # noqa: PLC0415
 
-        if fused.supported(group, head_dim):
+        if fused.supported(head_dim):
             angles = positions.astype(jnp.float32)[:, None] * rope_frequencies(
                 head_dim, theta, scaling
             )

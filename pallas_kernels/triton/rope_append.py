@@ -1,7 +1,7 @@
 """The attention layer's work between its QKV projection and attention, as one Pallas kernel
 (Triton lowering): qk-norm, RoPE, and the K/V append to the pages.
 
-XLA compiles the same arithmetic (`jaxpaged.kv_cache.rope_append`'s reference) into six to
+XLA compiles the same arithmetic (`jaxpaged.layers.rope_append`'s reference) into six to
 seven small kernels per layer: the q and k norm reductions, the rotation, converts and two
 scatters. At batch 1 each costs what any kernel costs in a CUDA graph (~1.3 us), and without
 command buffers each launch costs the host ~10 us (benchmarks/NOTES.md, "Session 12"). One
@@ -17,14 +17,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import poison_enabled
+from pallas_kernels.common import poisoned_outputs
 
 
-def supported(group: int, head_dim: int) -> bool:
-    """Whether the kernel takes GQA groups of `group` query heads and `head_dim`: Triton blocks
-    are powers of two, here [G, D/2]."""
+def supported(head_dim: int) -> bool:
+    """Whether the kernel takes `head_dim`: Triton blocks are powers of two, here [G, D/2]
+    (G padded, masked)."""
     half = head_dim // 2
-    return head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0 and group >= 1
+    return head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
 
 
 def rope_append(
@@ -40,7 +40,7 @@ def rope_append(
     eps: float,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`jaxpaged.kv_cache.rope_append` in one kernel; arguments and results as there (checked
+    """`jaxpaged.layers.rope_append` in one kernel; arguments and results as there (checked
     there). The pages are updated in place (aliased)."""
     num_tokens, num_kv_heads, group2, head_dim = qkv.shape
     group = group2 - 2
@@ -51,8 +51,8 @@ def rope_append(
     flat = (num_pages * page_size, num_kv_heads, head_dim)
     inputs = [slots, qkv, cos, sin, *scales, k_pages.reshape(flat), v_pages.reshape(flat)]
     aliases = {len(inputs) - 2: 1, len(inputs) - 1: 2}
-    if poison_enabled():
-        inputs.append(jnp.full(q_shape.shape, jnp.nan, q_shape.dtype))
+    for poisoned in poisoned_outputs([q_shape]) or []:
+        inputs.append(poisoned)
         aliases[len(inputs) - 1] = 0
     page_shape = jax.ShapeDtypeStruct(flat, k_pages.dtype)
     q, k_flat, v_flat = pl.pallas_call(
