@@ -24,9 +24,10 @@ and, for our kernels, `vs_<anchor>` = anchor time / our time, both measured in t
   by the ragged kernel, decodes by the fastest of the ragged, Triton and Mosaic decode kernels):
   an `impl="parts"` record whose `mixed_by` names the fastest kernel of the one call.
 - shared_prefix: 8 prompts x 8 samples sharing 4096 or 16384 prompt tokens plus 128 tokens of
-  their own, page 16: `shared_prefix_decode_attention` (groups found untimed, as once per step)
-  against plain decode of the same K/V in per-sample copies (`private`) and through the shared
-  page table (`plain`), by the Triton and Mosaic kernels. TB/s counts every sequence's K/V.
+  their own, page 16: `shared_prefix_decode_attention` (groups found and planned untimed, as
+  once per step) against plain decode of the same K/V in per-sample copies (`private`) and
+  through the shared page table (`plain`), by the Triton and Mosaic kernels. TB/s counts every
+  sequence's K/V.
 
 The suites stop starting cases once `--budget-s` (per suite) is spent: skipped cases are
 recorded as such. A failing measurement records its error and the run goes on. `--quick`

@@ -16,7 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged import find_prefix_groups, paged_decode_attention, ragged_paged_attention
+from jaxpaged import (
+    find_prefix_groups,
+    paged_decode_attention,
+    plan_cascade,
+    ragged_paged_attention,
+)
 from pallas_kernels.mosaic import paged_decode as mosaic_decode
 from pallas_kernels.triton import paged_decode as triton_decode
 
@@ -146,8 +151,9 @@ def xla_decode_fn(q, k, v, kv_lens, table):
 def make_shared_prefix_inputs(prompts: int, samples: int, shared: int, private: int, page_size=16):
     """`prompts * samples` decode sequences of `shared + private` tokens: each prompt's first
     `shared` (whole pages) in pages all its samples list, then `private` of their own. Returns
-    `shared_prefix_decode_attention`'s `(q, k, v, kv_lens, table, groups)` (a group per prompt)
-    and the table of the same batch in per-sample copies of the shared pages (the same K/V)."""
+    `shared_prefix_decode_attention`'s `(q, k, v, kv_lens, table, plan)` (a group per prompt,
+    planned as the engine does once per step for all layers) and the table of the same batch
+    in per-sample copies of the shared pages (the same K/V)."""
     batch, kv_len = prompts * samples, shared + private
     pages_per_seq, num_shared = -(-kv_len // page_size), shared // page_size
     table = np.random.default_rng(0).permutation(batch * pages_per_seq).reshape(batch, -1)
@@ -161,8 +167,9 @@ def make_shared_prefix_inputs(prompts: int, samples: int, shared: int, private: 
     groups = find_prefix_groups(
         shared_table, kv_lens, page_size, max_group_size=samples, min_saved_tokens=0
     )
+    plan = plan_cascade(groups, shared_table, kv_lens, page_size)
     q = jax.random.normal(keys[0], (batch, NUM_Q_HEADS, HEAD_DIM), DTYPE)
-    return (q, k, v, kv_lens, shared_table, groups), jnp.asarray(table, jnp.int32)
+    return (q, k, v, kv_lens, shared_table, plan), jnp.asarray(table, jnp.int32)
 
 
 # Prefill and mixed batches: one ragged call over sequences of several tokens each.

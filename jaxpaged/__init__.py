@@ -57,15 +57,18 @@ from jaxpaged.page_pool import (
     validate_fork,
 )
 from jaxpaged.shared_prefix import (
+    CascadePlan,
     PrefixGroups,
     default_max_group_size,
     find_prefix_groups,
+    plan_cascade,
     shared_prefix_decode_attention,
     validate_prefix_groups,
 )
 
 __all__ = [
     "TP_AXIS",
+    "CascadePlan",
     "PagePool",
     "PagedAttention",
     "PrefixGroups",
@@ -84,6 +87,7 @@ __all__ = [
     "default_max_group_size",
     "drop",
     "find_prefix_groups",
+    "plan_cascade",
     "fork",
     "fuse_qkv",
     "kv_slots",

@@ -26,7 +26,7 @@ from jaxpaged.attention import (
 )
 from jaxpaged.kv_cache import append_kv, kv_slots, write_kv
 from jaxpaged.reference import token_positions
-from jaxpaged.shared_prefix import PrefixGroups, shared_prefix_decode_attention
+from jaxpaged.shared_prefix import CascadePlan, PrefixGroups, shared_prefix_decode_attention
 
 
 @functools.partial(
@@ -56,7 +56,8 @@ class StepMetadata:
     decode: every live sequence has exactly one token and token s belongs to sequence s
       (T == S); the layer then calls the split-KV `paged_decode_attention`.
     prefix_groups: in a decode step, the sequences that share their first pages
-      (`jaxpaged.find_prefix_groups` over these kv_lens and page_indices); the layer then calls
+      (`jaxpaged.find_prefix_groups` over these kv_lens and page_indices, or their
+      `jaxpaged.plan_cascade`, which saves every layer the same work); the layer then calls
       `shared_prefix_decode_attention`, which reads those pages once per group (not under a
       sliding window). None: no sharing.
     """
@@ -68,7 +69,7 @@ class StepMetadata:
     positions: jax.Array
     kv_slots: jax.Array | None = None
     decode: bool = False
-    prefix_groups: PrefixGroups | None = None
+    prefix_groups: PrefixGroups | CascadePlan | None = None
 
     @classmethod
     def build(

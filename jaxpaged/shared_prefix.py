@@ -78,6 +78,115 @@ class PrefixGroups:
         return self.members.shape[1]
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=(
+        "groups",
+        "prefix_members",
+        "prefix_kv_lens",
+        "prefix_table",
+        "back_group",
+        "back_rank",
+        "mine",
+        "suffix_kv_lens",
+        "suffix_table",
+    ),
+    meta_fields=(),
+)
+@dataclasses.dataclass(frozen=True)
+class CascadePlan:
+    """A step's `PrefixGroups` as the metadata of the cascade's two decode calls (a pytree):
+    what every layer would otherwise derive again (`plan_cascade`, once per step).
+
+    The prefix call runs over the nonempty groups only, packed into `Gs = max(1, S // 2)`
+    group slots (a group has at least two members, so there are at most S / 2 of them).
+
+    groups: the `PrefixGroups` it was planned from (`use` decides the path).
+    prefix_members: i32[Gs, n], the members of each packed group (-1: none).
+    prefix_kv_lens, prefix_table: i32[Gs], i32[Gs, pages_per_seq], the prefix call's KV
+      lengths (the shared tokens) and page-table rows (member 0's).
+    back_group, back_rank: i32[S], the packed group and rank of each sequence's prefix rows.
+    mine: bool[S], whether a sequence has a prefix (False: its prefix LSE is -inf).
+    suffix_kv_lens, suffix_table: i32[S], i32[S, pages_per_seq], the suffix call's: each
+      sequence's KV length and page table past its shared pages.
+    """
+
+    groups: PrefixGroups
+    prefix_members: jax.Array
+    prefix_kv_lens: jax.Array
+    prefix_table: jax.Array
+    back_group: jax.Array
+    back_rank: jax.Array
+    mine: jax.Array
+    suffix_kv_lens: jax.Array
+    suffix_table: jax.Array
+
+    @property
+    def use(self) -> jax.Array:
+        return self.groups.use
+
+
+def plan_cascade(
+    groups: PrefixGroups, page_indices: jax.Array, kv_lens: jax.Array, page_size: int
+) -> CascadePlan:
+    """The `CascadePlan` of a decode step's groups, page table and KV lengths (jittable; call
+    it once per step and pass the plan to every layer's `shared_prefix_decode_attention`).
+    Every index is clamped: garbage `groups` give wrong numbers, never an access outside the
+    arrays."""
+    _check_table(kv_lens, page_indices)
+    _check_group_arrays(groups, kv_lens.shape[0])
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1; got {page_size!r}")
+    return _plan_cascade(groups, page_indices, kv_lens, page_size=page_size)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size",))
+def _plan_cascade(groups, page_indices, kv_lens, *, page_size):
+    num_seq_slots, pages_per_seq = page_indices.shape
+    size = groups.max_group_size
+    slot = functools.partial(jnp.clip, min=0, max=num_seq_slots - 1)
+    members = groups.members
+    present = (members >= 0) & (members < num_seq_slots)
+    shared = jnp.where(present[:, 0], jnp.clip(groups.shared_pages, 0, pages_per_seq), 0)
+    num_group_slots = max(1, num_seq_slots // 2)
+    nonempty = shared > 0
+    packed = jnp.where(nonempty, jnp.cumsum(nonempty) - 1, num_group_slots)  # per group slot
+    group_slot = (
+        jnp.full((num_group_slots,), -1, jnp.int32)
+        .at[packed]
+        .set(jnp.arange(num_seq_slots, dtype=jnp.int32), mode="drop")
+    )
+    prefix_members = jnp.where(group_slot[:, None] >= 0, members[slot(group_slot)], -1)
+    prefix_members = jnp.where(
+        (prefix_members >= 0) & (prefix_members < num_seq_slots), prefix_members, -1
+    )
+    prefix_shared = jnp.where(group_slot >= 0, shared[slot(group_slot)], 0)
+    # Back to sequences: rows (h, rank_of[s], :) of packed group packed[group_of[s]] are s's.
+    g, r = slot(groups.group_of), jnp.clip(groups.rank_of, 0, size - 1)
+    mine = (
+        (groups.group_of >= 0)
+        & (groups.group_of < num_seq_slots)
+        & (groups.rank_of >= 0)
+        & (groups.rank_of < size)
+        & (members[g, r] == jnp.arange(num_seq_slots))
+        & (packed[g] < num_group_slots)
+    )
+    # Suffix: each sequence's page table shifted past its shared pages.
+    own = jnp.where(mine, shared[g], 0)
+    shifted = jnp.clip(jnp.arange(pages_per_seq)[None, :] + own[:, None], 0, pages_per_seq - 1)
+    return CascadePlan(
+        groups=groups,
+        prefix_members=prefix_members,
+        prefix_kv_lens=prefix_shared * page_size,
+        prefix_table=page_indices[slot(prefix_members[:, 0])],
+        back_group=jnp.clip(packed[g], 0, num_group_slots - 1),
+        back_rank=r,
+        mine=mine,
+        suffix_kv_lens=jnp.maximum(kv_lens - own * page_size, 0),
+        suffix_table=jnp.take_along_axis(page_indices, shifted, axis=1),
+    )
+
+
 def default_max_group_size(num_q_heads: int, num_kv_heads: int) -> int:
     """The largest `max_group_size` that every decode backend takes for Hq query heads over Hkv
     KV heads (G = Hq / Hkv).
@@ -329,6 +438,30 @@ def _check_group_arrays(groups: PrefixGroups, num_seq_slots: int) -> None:
         )
 
 
+def _check_plan(plan: CascadePlan, num_seq_slots: int, pages_per_seq: int) -> None:
+    num_group_slots, size = max(1, num_seq_slots // 2), plan.groups.members.shape[1]
+    want = {
+        "prefix_members": (num_group_slots, size),
+        "prefix_kv_lens": (num_group_slots,),
+        "prefix_table": (num_group_slots, pages_per_seq),
+        "back_group": (num_seq_slots,),
+        "back_rank": (num_seq_slots,),
+        "mine": (num_seq_slots,),
+        "suffix_kv_lens": (num_seq_slots,),
+        "suffix_table": (num_seq_slots, pages_per_seq),
+    }
+    for name, shape in want.items():
+        array = getattr(plan, name)
+        dtype = jnp.bool_ if name == "mine" else jnp.int32
+        if getattr(array, "shape", None) != shape or jnp.dtype(array.dtype) != dtype:
+            raise ValueError(
+                f"CascadePlan.{name} must be {jnp.dtype(dtype).name}{list(shape)} for S="
+                f"{num_seq_slots} sequence slots of {pages_per_seq} pages (`plan_cascade` of "
+                f"this step); got {getattr(array, 'dtype', type(array))}"
+                f"{list(getattr(array, 'shape', ()))}"
+            )
+
+
 def shared_prefix_decode_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -360,7 +493,8 @@ def shared_prefix_decode_attention(
         implementation, interpret: as `paged_decode_attention` (both calls run the backend
         `implementation` resolves to for the plain call).
       groups: the step's `PrefixGroups` (`find_prefix_groups`, or built by hand and checked
-        by `validate_prefix_groups`).
+        by `validate_prefix_groups`), or their `CascadePlan` (`plan_cascade`, once per step
+        for all layers: the same result, less work per call).
       sliding_window: must be None: each query has its own window, so a group's queries do not
         see the same keys. (`PagedAttention` runs plain decode under a window.)
       prefix_num_splits: KV splits per group in the prefix call; None:
@@ -382,6 +516,10 @@ def shared_prefix_decode_attention(
             f"q must have one token per sequence: q.shape[0] {q.shape[0]} != len(kv_lens) "
             f"{kv_lens.shape[0]}"
         )
+    plan = groups if isinstance(groups, CascadePlan) else None
+    if plan is not None:
+        _check_plan(plan, kv_lens.shape[0], page_indices.shape[1])
+        groups = plan.groups
     _check_group_arrays(groups, kv_lens.shape[0])
     if sliding_window is not None:
         raise ValueError(
@@ -438,7 +576,7 @@ def shared_prefix_decode_attention(
         v_pages,
         kv_lens,
         page_indices,
-        groups,
+        groups if plan is None else plan,
         options=tuple(sorted(options.items())),
         prefix_num_splits=prefix_num_splits,
         poison=poison_enabled(),
@@ -453,45 +591,29 @@ def _shared_prefix_jit(
     del poison  # a static key only: the kernels read it while tracing
     decode = functools.partial(paged_decode_attention, return_lse=True, **dict(options))
     args = (q, k_pages, v_pages, kv_lens, page_indices)
+    if isinstance(groups, PrefixGroups):
+        groups = _plan_cascade(groups, page_indices, kv_lens, page_size=k_pages.shape[1])
     return lax.cond(
         groups.use,
-        lambda: _cascade(decode, *args, groups, prefix_num_splits=prefix_num_splits),
+        lambda: _cascade(decode, q, k_pages, v_pages, groups, prefix_num_splits=prefix_num_splits),
         lambda: decode(*args),
     )
 
 
-def _cascade(
-    decode, q, k_pages, v_pages, kv_lens, page_indices, groups: PrefixGroups, *, prefix_num_splits
-):
-    """The two decode calls and their merge. Every index is clamped: garbage `groups` give
-    wrong numbers, never an access outside the arrays."""
+def _cascade(decode, q, k_pages, v_pages, plan: CascadePlan, *, prefix_num_splits):
+    """The two decode calls of `plan` and their merge. Indices into q and the outputs are
+    clamped (the decode op checks its own metadata): a garbage plan gives wrong numbers,
+    never an access outside the arrays."""
     num_seq_slots, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_pages.shape[1:3]
-    pages_per_seq = page_indices.shape[1]
-    size, group = groups.max_group_size, num_q_heads // num_kv_heads
-    slot = functools.partial(jnp.clip, min=0, max=num_seq_slots - 1)
-
-    # The prefix call runs over the nonempty groups only, packed into the first of
-    # `num_group_slots` slots (a group has at least two members, so there are at most S / 2):
-    # the kernel's empty items and the split partials of empty slots cost time.
-    members = groups.members
+    num_kv_heads = k_pages.shape[2]
+    num_group_slots, size = plan.prefix_members.shape
+    group = num_q_heads // num_kv_heads
+    members = plan.prefix_members
     present = (members >= 0) & (members < num_seq_slots)
-    shared = jnp.where(present[:, 0], jnp.clip(groups.shared_pages, 0, pages_per_seq), 0)
-    num_group_slots = max(1, num_seq_slots // 2)
-    nonempty = shared > 0
-    packed = jnp.where(nonempty, jnp.cumsum(nonempty) - 1, num_group_slots)  # per group slot
-    group_slot = (
-        jnp.full((num_group_slots,), -1, jnp.int32)
-        .at[packed]
-        .set(jnp.arange(num_seq_slots, dtype=jnp.int32), mode="drop")
-    )
-    packed_members = jnp.where(group_slot[:, None] >= 0, members[slot(group_slot)], -1)
-    packed_present = (packed_members >= 0) & (packed_members < num_seq_slots)
-    packed_shared = jnp.where(group_slot >= 0, shared[slot(group_slot)], 0)
 
     # Prefix: each group's members' queries as the rows of each KV head, over member 0's pages.
     member_q = jnp.where(
-        packed_present[:, :, None, None], q[slot(packed_members)], 0
+        present[:, :, None, None], q[jnp.clip(members, 0, num_seq_slots - 1)], 0
     )  # [num_group_slots, n, Hq, D]
     prefix_q = (
         member_q.reshape(num_group_slots, size, num_kv_heads, group, head_dim)
@@ -502,35 +624,18 @@ def _cascade(
         prefix_q,
         k_pages,
         v_pages,
-        packed_shared * page_size,
-        page_indices[slot(packed_members[:, 0])],
+        plan.prefix_kv_lens,
+        plan.prefix_table,
         num_splits=prefix_num_splits,
     )
-    # Back to sequences: rows (h, rank_of[s], :) of packed group packed[group_of[s]] are s's.
-    g, r = slot(groups.group_of), jnp.clip(groups.rank_of, 0, size - 1)
-    p = jnp.clip(packed[g], 0, num_group_slots - 1)
-    mine = (
-        (groups.group_of >= 0)
-        & (groups.group_of < num_seq_slots)
-        & (groups.rank_of >= 0)
-        & (groups.rank_of < size)
-        & (members[g, r] == jnp.arange(num_seq_slots))
-        & (packed[g] < num_group_slots)
-    )
+    p = jnp.clip(plan.back_group, 0, num_group_slots - 1)
+    r = jnp.clip(plan.back_rank, 0, size - 1)
     prefix_out = prefix_out.reshape(num_group_slots, num_kv_heads, size, group, head_dim)[p, :, r]
     prefix_lse = prefix_lse.reshape(num_group_slots, num_kv_heads, size, group)[p, :, r]
-    prefix_lse = jnp.where(mine[:, None], prefix_lse.reshape(num_seq_slots, num_q_heads), -jnp.inf)
-
-    # Suffix: each sequence's page table shifted past its shared pages.
-    own = jnp.where(mine, shared[g], 0)
-    shifted = jnp.clip(jnp.arange(pages_per_seq)[None, :] + own[:, None], 0, pages_per_seq - 1)
-    suffix_out, suffix_lse = decode(
-        q,
-        k_pages,
-        v_pages,
-        jnp.maximum(kv_lens - own * page_size, 0),
-        jnp.take_along_axis(page_indices, shifted, axis=1),
+    prefix_lse = jnp.where(
+        plan.mine[:, None], prefix_lse.reshape(num_seq_slots, num_q_heads), -jnp.inf
     )
+    suffix_out, suffix_lse = decode(q, k_pages, v_pages, plan.suffix_kv_lens, plan.suffix_table)
     return merge_attention_states(
         suffix_out, suffix_lse, prefix_out.reshape(q.shape).astype(q.dtype), prefix_lse
     )

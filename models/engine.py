@@ -162,8 +162,10 @@ def _forward(
             max_group_size=shared_prefix.max_group_size,
             min_saved_tokens=shared_prefix.min_saved_tokens,
         )
-        # Found once per step: the barrier keeps XLA from fusing the search into every layer.
-        meta = dataclasses.replace(meta, prefix_groups=jax.lax.optimization_barrier(groups))
+        # Found and planned once per step: the barrier keeps XLA from fusing the search into
+        # every layer.
+        plan = jaxpaged.plan_cascade(groups, meta.page_indices, meta.kv_lens, pool.page_size)
+        meta = dataclasses.replace(meta, prefix_groups=jax.lax.optimization_barrier(plan))
     model = nnx.merge(graphdef, params)
     hidden, kv_pages = model(tokens, kv_pages, meta, implementation=implementation)
     return kv_pages, pool, ok, meta, hidden, model

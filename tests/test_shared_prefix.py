@@ -166,7 +166,12 @@ def test_cascade_equals_plain_decode(backend, num_q_heads, num_kv_heads, size, d
     assert np.asarray(groups.group_of)[families[0]].tolist() == group_of
     decode = functools.partial(_decode, backend, q, k, v, pool, prefix_num_splits=splits)
     plain = decode(dataclasses.replace(groups, use=jnp.bool_(False)))
-    _assert_equal_to_plain(plain, decode(groups), dtype)
+    cascade = decode(groups)
+    _assert_equal_to_plain(plain, cascade, dtype)
+    # Planned once (as the engine does per step), the same numbers to the bit.
+    plan = jaxpaged.plan_cascade(groups, pool.page_indices, pool.kv_lens, PAGE)
+    for got, want in zip(decode(plan), cascade, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     empty = dataclasses.replace(
         groups,
         members=jnp.full_like(groups.members, -1),
@@ -377,6 +382,15 @@ def test_bad_arguments_raise_before_tracing():
         op(*args, jaxpaged.PrefixGroups(**fields), prefix_num_splits=0)
     with pytest.raises(ValueError, match="max_group_size must be an int >= 1"):
         jaxpaged.find_prefix_groups(args[4], args[3], PAGE, max_group_size=0)
+    groups = jaxpaged.PrefixGroups(**fields)
+    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
+        jaxpaged.plan_cascade(groups, args[4], args[3], 0)
+    plan = jaxpaged.plan_cascade(groups, args[4], args[3], PAGE)
+    bad = dataclasses.replace(plan, suffix_table=plan.suffix_table[:, :1])
+    with pytest.raises(ValueError, match=r"CascadePlan.suffix_table must be int32\[13, "):
+        op(*args, bad)
+    with pytest.raises(ValueError, match=r"CascadePlan.mine must be bool\[13\]"):
+        op(*args, dataclasses.replace(plan, mine=plan.back_rank))
 
 
 # The engine: forced onto the shared-prefix path whenever a group exists (one saved token),
