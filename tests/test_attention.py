@@ -212,3 +212,21 @@ def test_merge_two_empty_states_is_empty():
     m_out, m_lse = jaxpaged.merge_attention_states(out, lse, out, lse)
     np.testing.assert_array_equal(np.asarray(m_out), 0.0)
     assert np.isneginf(np.asarray(m_lse)).all()
+
+
+def test_merge_attention_states_is_merge_partial_states_and_ignores_empty_nan():
+    """The written-out two-state merge equals the general merge of the stacked states, and a
+    state of LSE -inf contributes nothing even where its output row is NaN."""
+    from pallas_kernels.common import merge_partial_states
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    out_a, out_b = (jax.random.normal(k, (5, 4, 16)) for k in keys[:2])
+    lse_a, lse_b = (3 * jax.random.normal(k, (5, 4)) for k in keys[2:])
+    lse_b = lse_b.at[1].set(-jnp.inf)
+    out_b = out_b.at[1].set(jnp.nan)
+    out, lse = jaxpaged.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    want_out, want_lse = merge_partial_states(jnp.stack([out_a, out_b]), jnp.stack([lse_a, lse_b]))
+    assert not np.isnan(np.asarray(out)).any()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(out_a[1]))
