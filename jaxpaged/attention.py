@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged import dispatch
-from pallas_kernels.common import poison_enabled
+from pallas_kernels.common import merge_states, poison_enabled
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -338,18 +338,5 @@ def merge_attention_states(
             f"merge_attention_states needs out [..., D] and lse [...] of matching shapes; got "
             f"{out_a.shape}, {lse_a.shape}, {out_b.shape}, {lse_b.shape}"
         )
-    # `merge_partial_states` of the two, written out: elementwise only (no stack, no
-    # reductions), so that XLA makes one kernel of it and of the gathers that feed it.
-    lse_a, lse_b = lse_a.astype(jnp.float32), lse_b.astype(jnp.float32)
-    m = jnp.maximum(lse_a, lse_b)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    w_a, w_b = jnp.exp(lse_a - m_safe), jnp.exp(lse_b - m_safe)
-    denom = w_a + w_b
-    empty = denom == 0.0
-
-    def part(w, out):  # an empty state's output is ignored, even if NaN
-        return jnp.where(w[..., None] > 0, w[..., None] * out.astype(jnp.float32), 0.0)
-
-    out = (part(w_a, out_a) + part(w_b, out_b)) / jnp.where(empty, 1.0, denom)[..., None]
-    lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, denom)))
+    out, lse = merge_states((out_a, out_b), (lse_a, lse_b))
     return out.astype(out_a.dtype), lse

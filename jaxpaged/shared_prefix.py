@@ -30,11 +30,10 @@ from jaxpaged.attention import (
     _check_kv,
     _check_options,
     _check_table,
-    merge_attention_states,
     paged_decode_attention,
     resolve_implementation,
 )
-from pallas_kernels.common import poison_enabled
+from pallas_kernels.common import merge_states, poison_enabled
 
 # `find_prefix_groups`' default threshold for `PrefixGroups.use`: the KV tokens per step and
 # KV head that reading each shared page once saves. Below it, the second decode call and the
@@ -620,22 +619,41 @@ def _cascade(decode, q, k_pages, v_pages, plan: CascadePlan, *, prefix_num_split
         .transpose(0, 2, 1, 3, 4)
         .reshape(num_group_slots, num_kv_heads * size * group, head_dim)
     )
-    prefix_out, prefix_lse = decode(
-        prefix_q,
-        k_pages,
-        v_pages,
-        plan.prefix_kv_lens,
-        plan.prefix_table,
-        num_splits=prefix_num_splits,
+    prefix_decode, prefix = decode, dict(num_splits=prefix_num_splits)
+    if decode.keywords["implementation"] == "mosaic":
+        # The prefix call's splits stay unmerged: they merge with the suffix in one pass.
+        prefix_decode = _mosaic_decode(decode.keywords, head_dim)
+        prefix["merge"] = False
+    prefix_out, prefix_lse = prefix_decode(
+        prefix_q, k_pages, v_pages, plan.prefix_kv_lens, plan.prefix_table, **prefix
     )
+    if prefix_lse.ndim == 2:  # merged: one state
+        prefix_out, prefix_lse = prefix_out[:, None], prefix_lse[:, None]
+    splits = prefix_lse.shape[1]
     p = jnp.clip(plan.back_group, 0, num_group_slots - 1)
     r = jnp.clip(plan.back_rank, 0, size - 1)
-    prefix_out = prefix_out.reshape(num_group_slots, num_kv_heads, size, group, head_dim)[p, :, r]
-    prefix_lse = prefix_lse.reshape(num_group_slots, num_kv_heads, size, group)[p, :, r]
-    prefix_lse = jnp.where(
-        plan.mine[:, None], prefix_lse.reshape(num_seq_slots, num_q_heads), -jnp.inf
-    )
+    rows = (num_group_slots, splits, num_kv_heads, size, group)
+    # Each sequence's rows of its group's prefix states: [S, splits, Hkv, G(, D)].
+    prefix_out = prefix_out.reshape(*rows, head_dim)[p, :, :, r]
+    prefix_lse = prefix_lse.reshape(rows)[p, :, :, r]
+    prefix_lse = jnp.where(plan.mine[:, None, None, None], prefix_lse, -jnp.inf)
     suffix_out, suffix_lse = decode(q, k_pages, v_pages, plan.suffix_kv_lens, plan.suffix_table)
-    return merge_attention_states(
-        suffix_out, suffix_lse, prefix_out.reshape(q.shape).astype(q.dtype), prefix_lse
+    out, lse = merge_states(
+        [suffix_out] + [prefix_out[:, s].reshape(q.shape) for s in range(splits)],
+        [suffix_lse] + [prefix_lse[:, s].reshape(q.shape[:2]) for s in range(splits)],
+    )
+    return out.astype(q.dtype), lse
+
+
+def _mosaic_decode(options: dict, head_dim: int):
+    """The Mosaic decode kernel itself (`paged_decode_attention`'s checks done), so that the
+    cascade can take its splits unmerged."""
+    from pallas_kernels.mosaic import paged_decode  # noqa: PLC0415 - GPU only
+
+    sm_scale = options["sm_scale"]
+    return functools.partial(
+        paged_decode.paged_decode_attention,
+        sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
+        logits_soft_cap=options["logits_soft_cap"],
+        interpret=options["interpret"],
     )

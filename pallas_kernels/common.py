@@ -8,6 +8,7 @@ All functions here are plain `jnp` so that they trace the same inside a Pallas k
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import NamedTuple
 
@@ -156,6 +157,26 @@ def merge_partial_states(
     lse = jnp.where(
         empty, -jnp.inf, jnp.squeeze(m_safe, axis) + jnp.log(jnp.where(empty, 1.0, denom))
     )
+    return out, lse
+
+
+def merge_states(outs, lses) -> tuple[jax.Array, jax.Array]:
+    """`merge_partial_states` of a few states given as sequences, written out: elementwise
+    only (no stack, no reductions), so that XLA makes one kernel of the merge and of the
+    gathers that feed it. outs: [..., D] each, lses: [...] each; float32 results."""
+    lses = [lse.astype(jnp.float32) for lse in lses]
+    m = functools.reduce(jnp.maximum, lses)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    weights = [jnp.exp(lse - m_safe) for lse in lses]
+    denom = functools.reduce(jnp.add, weights)
+    empty = denom == 0.0
+    # An empty state's output is ignored, even if NaN.
+    parts = [
+        jnp.where(w[..., None] > 0, w[..., None] * out.astype(jnp.float32), 0.0)
+        for w, out in zip(weights, outs, strict=True)
+    ]
+    out = functools.reduce(jnp.add, parts) / jnp.where(empty, 1.0, denom)[..., None]
+    lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, denom)))
     return out, lse
 
 

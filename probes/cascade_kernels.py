@@ -54,7 +54,7 @@ def main(argv=None):
                     (*inputs[:4], private_table),
                 )
             }
-            for splits in (None,):
+            for splits in (None, 1, 3):
                 op = jax.jit(
                     functools.partial(
                         shared_prefix_decode_attention,

@@ -1,14 +1,14 @@
 """The split-KV merges of the decode kernels against a float64 merge in numpy: the Triton kernel
 (pallas_kernels/triton/merge.py, the Triton decode kernel's) in interpret mode on CPU and
 compiled on a GPU (`-m gpu`), and the XLA one (`pallas_kernels.common.merge_splits`, the Mosaic
-GPU decode kernel's) on any device."""
+GPU decode kernel's) and `merge_states` (the cascade's merge of a few states) on any device."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import merge_splits, poison_outputs
+from pallas_kernels.common import merge_splits, merge_states, poison_outputs
 from pallas_kernels.triton.merge import merge_partials
 
 # Output tolerance per dtype: the merge itself is float32 (relative error ~1e-6); the output's
@@ -98,3 +98,24 @@ def test_lses_shape_is_checked():
     outs = jnp.ones((1, 2, 3, 64), jnp.float32)
     with pytest.raises(ValueError, match="lses must be"):
         merge_partials(outs, jnp.ones((1, 3, 2), jnp.float32), out_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("num_states", [1, 3, 5])
+def test_merge_states_matches_the_oracle(num_states):
+    """Empty states (LSE -inf, output NaN) among them, and rows where every state is empty."""
+    keys = jax.random.split(jax.random.key(num_states), 2)
+    outs = jax.random.normal(keys[0], (4, num_states, 6, 32))
+    lses = 4 * jax.random.normal(keys[1], (4, num_states, 6))
+    empty = np.zeros((4, num_states, 6), bool)
+    empty[0] = True  # every state of row 0
+    empty[1, 0] = True
+    empty[2, -1, :3] = True
+    lses = jnp.where(empty, -jnp.inf, lses)
+    outs = jnp.where(empty[..., None], jnp.nan, outs)
+    out, lse = merge_states(
+        [outs[:, s] for s in range(num_states)], [lses[:, s] for s in range(num_states)]
+    )
+    want_out, want_lse = _oracle(outs, lses)
+    assert not np.isnan(np.asarray(out)).any()
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=ATOL[jnp.float32], rtol=0)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-5, rtol=0)

@@ -146,6 +146,7 @@ def paged_decode_attention(
     config: MosaicDecodeConfig | None = None,
     interpret: bool = False,
     profile_dir: str | None = None,
+    merge: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Split-KV decode over paged KV with TMA page copies and `wgmma` (Hopper only).
 
@@ -161,6 +162,9 @@ def paged_decode_attention(
       interpret: must be False: Mosaic GPU's interpreter cannot run `wgmma` (jax 0.11.2).
       profile_dir: diagnostics only: every call writes a trace of each program's named
         regions (Mosaic GPU's in-kernel profiler) as JSON into this directory.
+      merge: False returns the splits' states unmerged, `out` [S, splits, Hq, D] (float32, or
+        q's dtype for one split) and `lse` f32[S, splits, Hq], for a caller that merges them
+        with states of its own in one pass (`jaxpaged.shared_prefix`).
 
     Returns:
       `out` [S, Hq, D] in q's dtype and `lse` f32[S, Hq] (natural log); inactive slots give 0
@@ -236,8 +240,8 @@ def paged_decode_attention(
         inputs += (slot_order.slots_by_length(kv_lens),)
     out, lse = launch(body, out_types, inputs, **kernel_kwargs)
     if num_splits == 1:
-        return out, lse
-    return merge_splits(out, lse, out_dtype=q.dtype)
+        return (out, lse) if merge else (out[:, None], lse[:, None])
+    return merge_splits(out, lse, out_dtype=q.dtype) if merge else (out, lse)
 
 
 def _max_steps(max_kv_len: int, sliding_window: int | None, block_kv: int) -> int:
