@@ -11,7 +11,8 @@ Ops (one layer's page pool `k_pages, v_pages [P, page_size, Hkv, D]`):
 Shared prefixes (cascade attention): shared_prefix_decode_attention is decode that reads the
   pages a group of sequences shares once per group, over PrefixGroups from find_prefix_groups
   (jittable, once per step; validate_prefix_groups checks hand-built ones on the host;
-  default_max_group_size is the largest group every backend takes).
+  default_max_group_size is the largest group every backend takes), or over the CascadePlan
+  plan_cascade builds from them once per step for every layer.
 State: PagePool with create_pool / reserve / fork / attach / release / batch_metadata (pages
   shared between sequences are reference-counted) and retain / drop (pages held without a
   slot, as a prefix cache holds them); validate_fork checks a fork on the host.
