@@ -209,10 +209,13 @@ def default_prefix_splits(
 ) -> int | None:
     """The KV splits per group of the prefix call when `prefix_num_splits` is None: the decode
     kernel's own rule (`choose_num_splits` of "mosaic" or "triton") for a batch of `num_groups`
-    sequences of up to `max_kv_len` tokens. `shared_prefix_decode_attention` passes
-    ceil(S / max_group_size) groups, the count when every sequence is in a full group: the
-    kernel's rule for the call's static S slots would count the empty slots as busy and give
-    a handful of long groups one program per KV head. None for backends without splits."""
+    sequences of up to `max_kv_len` tokens; for "triton" half of it (its prefix programs hold
+    n * G query rows, not G: at 8 groups of 4096 and 16384 shared tokens half the rule's 8 and
+    17 splits took 82 and 205 us against 96 and 239, benchmarks/NOTES.md run 77).
+    `shared_prefix_decode_attention` passes ceil(S / max_group_size) groups, the count when
+    every sequence is in a full group: the kernel's rule for the call's static S slots would
+    count the empty slots as busy and give a handful of long groups one program per KV head.
+    None for backends without splits."""
     if implementation == "mosaic":
         from pallas_kernels.common import device_num_sms
         from pallas_kernels.mosaic import common, paged_decode
@@ -226,9 +229,10 @@ def default_prefix_splits(
         from pallas_kernels.triton import paged_decode
 
         block_kv = paged_decode.DecodeConfig.default(head_dim, dtype).block_kv
-        return paged_decode.choose_num_splits(
+        splits = paged_decode.choose_num_splits(
             num_groups, num_kv_heads, max_kv_len, block_kv=block_kv, num_sms=device_num_sms()
         )
+        return max(1, splits // 2)
     return None
 
 

@@ -161,9 +161,10 @@ def merge_partial_states(
 
 
 def merge_states(outs, lses) -> tuple[jax.Array, jax.Array]:
-    """`merge_partial_states` of a few states given as sequences, written out: elementwise
-    only (no stack, no reductions), so that XLA makes one kernel of the merge and of the
-    gathers that feed it. outs: [..., D] each, lses: [...] each; float32 results."""
+    """`merge_partial_states` of a few states given as sequences, written out elementwise (no
+    stack, no reduction over a short axis), for XLA to fuse with the gathers that feed it (the
+    cascade's merge: two kernels, benchmarks/NOTES.md run 77). outs: [..., D] each, lses:
+    [...] each; float32 results."""
     lses = [lse.astype(jnp.float32) for lse in lses]
     m = functools.reduce(jnp.maximum, lses)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
