@@ -6,9 +6,10 @@ same weights run densely (contiguous KV, XLA attention).
 Prefill: one prompt of `--prompt-len` tokens, single-shot (one step) and in chunks of 256, 512
 and 2048 tokens; tokens/s is the prompt length over the wall time of its steps, the median of
 `--repeats` runs (`tokens_per_s_range`: the slowest and fastest). Decode:
-batches of 1, 16 and 64 sequences with `--ctx` cached tokens each generate `--new-tokens`
-greedily in lockstep; tokens/s counts the decode tokens over the engine wall time from the
-first decode launch to the last sync (decode blocks, host syncs and scheduling included). Each
+batches of 1, 16 and 64 sequences with `--ctx` cached tokens each decode greedily, all rows
+together; tokens/s counts the tokens of `--new-tokens` - 1 decode steps of the whole batch over
+the engine wall time from the first decode launch to the sync of the last block (decode
+blocks, host syncs and scheduling included; `_decode_part`). Each
 decode row also gives the block length in ms (how long a newly arrived request waits at most),
 the HBM floor (`_step_bytes` over `_copy_bandwidth`) and, with `--hf`, Hugging Face
 transformers with a static cache and torch.compile (`benchmarks.hf_anchor`, run first in a
@@ -72,10 +73,12 @@ def _engine(
 
 
 def _timed(engine: Engine, prompts, params: SamplingParams, repeats: int) -> list[Stats]:
-    """Compile on a short run of the same step shapes, then time `repeats` full ones; returns
-    their stats, fastest prefill first (the host time of chunked steps moves by a millisecond
-    from run to run: benchmarks/NOTES.md, session 11)."""
-    engine.generate([p[:2] for p in prompts], dataclasses.replace(params, max_new_tokens=2))
+    """Compile on one untimed run of the same prompts, then time `repeats` more; returns their
+    stats, fastest prefill first (the host time of chunked steps moves by a millisecond from
+    run to run: benchmarks/NOTES.md, session 11). A short warm-up prompt (two tokens, before
+    session 14) compiled no step of prompt chunks that samples nothing, whose kind then
+    compiled inside the first timed run of every chunked case."""
+    engine.generate(prompts, params)
     runs = []
     for _ in range(repeats):
         engine.stats = Stats()
@@ -241,26 +244,52 @@ def _dense_decode_tokens_per_s(model, prompts: np.ndarray, max_len: int, new_tok
     return prompts.shape[0] * len(steady) / sum(steady)
 
 
-def _decode_part(
-    engine: Engine, prompts, params: SamplingParams, profile: bool = False, top: int = 12
-) -> dict:
-    """Generate from `prompts` and time only what follows their prefill: the decode steps or
-    blocks, engine wall time from the first decode launch to the last sync. With `profile`,
-    also their CUPTI kernels per decode step."""
+def _decode_budget(num_prompts: int, ctx: int, steps: int, budget: int) -> int:
+    """`max_new_tokens` for `_decode_part` of `num_prompts` prompts of `ctx` tokens through
+    steps of `budget` tokens: the `steps` timed, two blocks past them, and the tokens a row may
+    decode before the last prompt's prefill ends (at most one a mixed step: the prompts'
+    tokens over the budget, plus a step per prompt)."""
+    before = -(-num_prompts * ctx // budget) + num_prompts
+    return steps + 2 * (EngineConfig.decode_steps or 1) + before
+
+
+def _decode_part(engine: Engine, prompts, steps: int, profile: bool = False, top: int = 12) -> dict:
+    """Prefill `prompts`, then time about `steps` decode steps of the whole batch: engine wall
+    time from the first decode launch to the sync of the block that completes them. Rows that
+    finished their prompts first decoded a few tokens in the mixed steps since, so rows end
+    at different steps; every row gets `_decode_budget` tokens, more than it spends in the
+    window, and the generation runs out untimed after it. (Before session 14 the window ran
+    to the last row's end, and the batch thinned out over its last steps: B=64 then counted
+    56 tokens a step.) With `profile`, also the window's CUPTI kernels per decode step."""
+    config = engine.config
+    budget = _decode_budget(len(prompts), len(prompts[0]), steps, config.max_tokens_per_step)
+    if config.decode_steps != EngineConfig.decode_steps or budget + len(prompts[0]) >= (
+        config.max_model_len
+    ):
+        raise ValueError("the engine's blocks or max_model_len do not fit _decode_budget")
+    params = SamplingParams(max_new_tokens=budget)
     seqs = [engine.add_request(p, params) for p in prompts]
     while any(s.num_cached < s.prompt_len for s in seqs):
         engine.step()
+    engine.sync()
     stats = dataclasses.replace(engine.stats)
     if profile:
         from jax._src.lib import mosaic_gpu  # noqa: PLC0415 - private, GPU only
 
         mosaic_gpu._mosaic_gpu_ext._cupti_init()
     start = time.perf_counter()
-    while engine.has_work():
+    while engine.stats.decode_steps - stats.decode_steps < steps:
         engine.step()
+    engine.sync()
     seconds = time.perf_counter() - start
+    if profile:
+        timings = mosaic_gpu._mosaic_gpu_ext._cupti_get_timings(True)
     steps = engine.stats.decode_steps - stats.decode_steps
     tokens = engine.stats.decode_tokens - stats.decode_tokens
+    if tokens != len(prompts) * steps:
+        raise RuntimeError(f"a row left the timed window: {tokens} tokens in {steps} steps")
+    while engine.has_work():
+        engine.step()
     result = dict(
         steps=steps,
         tokens_per_s=tokens / seconds,
@@ -268,7 +297,6 @@ def _decode_part(
         dispatch_ms_per_step=1e3 * (engine.stats.dispatch_time - stats.dispatch_time) / steps,
     )
     if profile:
-        timings = mosaic_gpu._mosaic_gpu_ext._cupti_get_timings(True)
         result.update(_kernel_summary(timings, steps, top))
     return result
 
@@ -440,18 +468,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     copy_tb_s = _copy_bandwidth() if jax.default_backend() == "gpu" else None
     for batch in args.batches:
         prompts = rng.integers(0, vocab, (batch, args.ctx))
-        max_len = args.ctx + args.new_tokens + 1
-        engine = make(max_seqs=batch, budget=max(2048, args.ctx), max_len=max_len)
-        params = SamplingParams(max_new_tokens=args.new_tokens)
-        _decode_part(engine, prompts[:, :16].tolist(), params)  # compile
+        steps, budget = args.new_tokens - 1, max(2048, args.ctx)  # the first token: prefill's
+        max_len = args.ctx + _decode_budget(batch, args.ctx, steps, budget) + 1
+        engine = make(max_seqs=batch, budget=budget, max_len=max_len)
+        _decode_part(engine, prompts[:, :16].tolist(), steps)  # compile
         case = dict(
             kind="decode", batch=batch, ctx=args.ctx, decode_steps=engine.config.decode_steps
         )
-        case.update(_decode_part(engine, prompts.tolist(), params))
+        case.update(_decode_part(engine, prompts.tolist(), steps))
         case["block_ms"] = case["wall_ms_per_step"] * engine.config.decode_steps
         if args.profile:
             profiled = _decode_part(
-                engine, prompts.tolist(), params, profile=True, top=args.top_kernels
+                engine, prompts.tolist(), steps, profile=True, top=args.top_kernels
             )
             case.update({k: v for k, v in profiled.items() if k not in case})
             case["wall_over_gpu"] = case["wall_ms_per_step"] / case["gpu_ms_per_step"]
@@ -467,8 +495,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             case["vs_hf"] = case["tokens_per_s"] / anchor["tokens_per_s"]
             case["hf_versions"] = f"torch {hf['torch']}, transformers {hf['transformers']}"
         if not args.no_baseline:
+            # Its cache as long as the tokens it generates (XLA attention reads all of it).
             case["baseline_tokens_per_s"] = _dense_decode_tokens_per_s(
-                model, prompts, max_len, args.new_tokens
+                model, prompts, args.ctx + args.new_tokens + 1, args.new_tokens
             )
         record(case)
 

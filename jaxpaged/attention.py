@@ -176,6 +176,7 @@ def ragged_paged_attention(
     implementation: str | None = None,
     interpret: bool = False,
     config: Any = None,
+    short_sequences: bool = True,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of a flat ragged batch of query chunks over paged KV (bottom-right causal).
 
@@ -200,6 +201,10 @@ def ragged_paged_attention(
       interpret: run a Pallas kernel in interpret mode (forced where there is no GPU).
       config: the backend's tuning config, e.g. a
         `pallas_kernels.triton.ragged_prefill.PrefillConfig`.
+      short_sequences: let the kernels send sequences of one (Mosaic) or a few (Triton) new
+        tokens, the decode tokens of a mixed batch, to a launch of their own. False (a batch
+        of prompt chunks, with no decode tokens) saves that launch's kernels; results are the
+        same either way, and the reference ignores it.
 
     Returns:
       `out` [T, Hq, D] in q's dtype, and `lse` f32[T, Hq] when `return_lse`. Rows with no
@@ -226,7 +231,9 @@ def ragged_paged_attention(
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
         ),
-        tuning=dict(config=config, interpret=_interpret(interpret)),
+        tuning=dict(
+            config=config, interpret=_interpret(interpret), short_sequences=bool(short_sequences)
+        ),
     )
     return (out, lse) if return_lse else out
 

@@ -68,8 +68,8 @@ class Backend:
       op, name: the op and the `implementation=` value.
       target: "module:function" of the implementation. It takes the op's arrays and
         `sm_scale`, `sliding_window`, `logits_soft_cap` (and `causal` for "ragged"), and, if
-        `tuned`, also `config`, `interpret` (and `num_splits` for "decode"); it returns
-        `(out, lse)`.
+        `tuned`, also `config`, `interpret` (and `short_sequences` for "ragged", `num_splits`
+        for "decode"); it returns `(out, lse)`.
       gpu_only: available only on a GPU (else anywhere: kernels in Pallas interpret mode).
       runs_on: where it runs, in words.
       picks: whether `implementation=None` may take it for a call on a device.

@@ -40,11 +40,12 @@ from jaxpaged.shared_prefix import CascadePlan, PrefixGroups, shared_prefix_deco
         "kv_slots",
         "prefix_groups",
     ),
-    meta_fields=("decode",),
+    meta_fields=("decode", "prompt_only"),
 )
 @dataclasses.dataclass(frozen=True)
 class StepMetadata:
-    """The batch metadata of one step, shared by every layer (a pytree; `decode` is static).
+    """The batch metadata of one step, shared by every layer (a pytree; `decode` and
+    `prompt_only` are static).
 
     kv_lens: i32[S], KV length of each sequence including this step's tokens.
     page_indices: i32[S, pages_per_seq], each sequence's pages.
@@ -60,6 +61,9 @@ class StepMetadata:
       `jaxpaged.plan_cascade`, which saves every layer the same work); the layer then calls
       `shared_prefix_decode_attention`, which reads those pages once per group (not under a
       sliding window). None: no sharing.
+    prompt_only: the step holds prompt chunks and no decode tokens; ragged attention then
+      skips its launch for sequences of one or a few tokens (`short_sequences=False`), which
+      changes no result (a chunk of one token still gets its attention, from the main launch).
     """
 
     kv_lens: jax.Array
@@ -70,6 +74,7 @@ class StepMetadata:
     kv_slots: jax.Array | None = None
     decode: bool = False
     prefix_groups: PrefixGroups | CascadePlan | None = None
+    prompt_only: bool = False
 
     @classmethod
     def build(
@@ -82,6 +87,7 @@ class StepMetadata:
         num_tokens: int,
         decode: bool = False,
         pool_shape: tuple[int, int] | None = None,
+        prompt_only: bool = False,
     ) -> StepMetadata:
         """Metadata for a ragged batch of `num_tokens` tokens; computes the token positions and,
         given the pool's `pool_shape` (num_pages, page_size), the slots every layer writes the
@@ -117,7 +123,12 @@ class StepMetadata:
             # a [T, S] comparison, page lookups) into every layer's K and V scatter, where
             # every element of the update recomputes its row's slot.
             slots = jax.lax.optimization_barrier(slots)
-        return cls(kv_lens, page_indices, cu_q_lens, n, jnp.where(live, pos, 0), slots, decode)
+        if decode and prompt_only:
+            raise ValueError("a decode step holds decode tokens: decode and prompt_only exclude")
+        positions = jnp.where(live, pos, 0)
+        return cls(
+            kv_lens, page_indices, cu_q_lens, n, positions, slots, decode, prompt_only=prompt_only
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -545,5 +556,6 @@ def _attend(q, k, v, k_pages, v_pages, meta, *, sliding_window, implementation):
             meta.num_seqs,
             sliding_window=sliding_window,
             implementation=implementation,
+            short_sequences=not meta.prompt_only,
         )
     return out, k_pages, v_pages

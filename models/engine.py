@@ -79,10 +79,14 @@ class PrefixSharing(NamedTuple):
 
 
 class StepOutputs(NamedTuple):
-    tokens: jax.Array  # i32[S], each sample row's token
-    logprobs: jax.Array  # f32[S], their log-probabilities (temperature 1)
+    """A step's results; `tokens`, `logprobs` and `logits` are None in a step of the
+    prompt-only kind, which samples nothing."""
+
+    tokens: jax.Array | None  # i32[S], each sample row's token
+    logprobs: jax.Array | None  # f32[S], their log-probabilities (temperature 1)
     ok: jax.Array  # bool[], False: the pool could not hold the step and nothing was written
-    logits: jax.Array  # f32[T, vocab] with all_logits, else f32[S, vocab] (rows' last tokens)
+    # f32[T, vocab] with all_logits, else f32[S, vocab] (rows' last tokens)
+    logits: jax.Array | None
     shared_prefix: jax.Array  # bool[], the step read shared prefixes once per group
     # i32[max_seqs, pages_per_seq], the pool's after the step (steps that may stay in flight)
     page_table: jax.Array | None
@@ -128,9 +132,11 @@ def _forward(
     host's count per row), a row whose pool slot holds another count makes the step run no
     sequence (`ok` False). With `shared_prefix` (a `PrefixSharing`), a decode step's metadata
     carries the groups of sequences that share their first pages, found in the pool's page
-    table after the reservation."""
+    table after the reservation. With `prompt_only`, the step holds no decode tokens
+    (`StepMetadata.prompt_only`)."""
     decode, implementation = static["decode"], static["implementation"]
     shared_prefix = static["shared_prefix"]
+    prompt_only = static.get("prompt_only", False)
     num_tokens = tokens.shape[0]
     live = jnp.arange(seq_ids.shape[0]) < num_seqs
     seq_ids = jnp.where(live, seq_ids, -1)
@@ -153,6 +159,7 @@ def _forward(
         num_tokens=num_tokens,
         decode=decode,
         pool_shape=kv_pages[0][0].shape[:2],
+        prompt_only=prompt_only,
     )
     if decode and shared_prefix is not None:
         groups = jaxpaged.find_prefix_groups(
@@ -189,6 +196,7 @@ def model_step(
     shared_prefix: PrefixSharing | None = None,
     conditionals_in_graph: bool = True,
     ahead: bool = False,
+    prompt_only: bool = False,
 ) -> tuple[KVPages, jaxpaged.PagePool, StepOutputs]:
     """One step of the decoder, traced by `step_function`, which jits it with `kv_pages` and
     `pool` donated: they come back updated in place. A decode step with `shared_prefix` reads
@@ -196,7 +204,11 @@ def model_step(
     XLA options put conditionals in command buffers; without, sampling takes no `lax.cond`
     (`sample`'s `skip_sort`), which the host would wait at. `ahead`: the step may be enqueued
     before the one before it is read: it checks `inputs.num_cached` against the pool and
-    returns its page table (else `page_table` is None)."""
+    returns its page table (else `page_table` is None). `prompt_only`: the step's chunks are
+    prompt chunks short of their prompts' ends, so it samples nothing: no vocabulary
+    projection, no sampling (their outputs None), and ragged attention without its launch for
+    decode tokens. A chunked prompt's steps then take fewer kernels (run without command
+    buffers, each costs the host ~12 us: benchmarks/NOTES.md, "Session 12")."""
     kv_pages, pool, ok, meta, hidden, model = _forward(
         graphdef,
         params,
@@ -210,7 +222,11 @@ def model_step(
         decode=decode,
         implementation=implementation,
         shared_prefix=shared_prefix,
+        prompt_only=prompt_only,
     )
+    page_table = pool.page_indices if ahead else None
+    if prompt_only:
+        return kv_pages, pool, StepOutputs(None, None, ok, None, jnp.bool_(False), page_table)
     num_tokens = inputs.tokens.shape[0]
     last = jnp.clip(inputs.cu_q_lens[1:] - 1, 0, num_tokens - 1)
     if all_logits:
@@ -222,7 +238,6 @@ def model_step(
     tokens, logprobs = sample(
         row_logits[rows], inputs.sampling, meta.kv_lens[rows], skip_sort=conditionals_in_graph
     )
-    page_table = pool.page_indices if ahead else None
     outputs = StepOutputs(tokens, logprobs, ok, logits, _uses_shared_prefix(meta), page_table)
     return kv_pages, pool, outputs
 
@@ -368,10 +383,11 @@ def step_function(
     xla_options: tuple[tuple[str, object], ...] = (),
     shared_prefix: PrefixSharing | None = None,
     ahead: bool = False,
+    prompt_only: bool = False,
 ):
     """`model_step` jitted once per model structure, taking the parameters as the flat list of
     their leaves (the engine's step; `decode`, `all_logits` and `implementation` are static,
-    `shared_prefix` and `ahead` are bound here).
+    `shared_prefix`, `ahead` and `prompt_only` are bound here).
 
     Dispatch hashes a jitted function's static arguments and flattens its pytree arguments on
     every call: the GraphDef of the 1B decoder took milliseconds to hash as a static argument
@@ -393,6 +409,7 @@ def step_function(
             shared_prefix=shared_prefix,
             conditionals_in_graph=conditionals_in_graph or jax.default_backend() != "gpu",
             ahead=ahead,
+            prompt_only=prompt_only,
             **static,
         )
 
@@ -597,17 +614,22 @@ class Engine:
                 self.graphdef, treedef, decode_options, sharing, ahead=ahead
             )
             self._block_fns[True] = block_function(self.graphdef, treedef, decode_options, sharing)
-        # Mixed steps of prompt chunks that sample nothing may stay in flight (below). Where
-        # mixed steps run in command buffers, those run in a second kind without them: a
-        # prompt in chunks of 512 then keeps the GPU busy while the host plans and launches
-        # the next chunk (benchmarks/NOTES.md, "Session 12"). Keyed by whether the step may
-        # stay in flight.
+        # Mixed steps of prompt chunks that sample nothing may stay in flight (below), in a
+        # kind of their own: prompt-only (no vocabulary projection, sampling or decode-token
+        # attention) and, where mixed steps run in command buffers, without them: a prompt in
+        # chunks of 512 then keeps the GPU busy while the host plans and launches the next
+        # chunk (benchmarks/NOTES.md, "Session 12"). Keyed by whether the step may stay in
+        # flight.
         mixed = step_function(self.graphdef, treedef, mixed_options, ahead=self._ahead[False])
-        self._mixed_fns = {False: mixed, True: mixed}
-        if not self._ahead[False]:
-            self._mixed_fns[True] = step_function(
-                self.graphdef, treedef, without_command_buffers(mixed_options), ahead=True
-            )
+        prompt_options = (
+            mixed_options if self._ahead[False] else without_command_buffers(mixed_options)
+        )
+        self._mixed_fns = {
+            False: mixed,
+            True: step_function(
+                self.graphdef, treedef, prompt_options, ahead=True, prompt_only=True
+            ),
+        }
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(

@@ -101,6 +101,29 @@ def test_ragged_shapes(backend, shape):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_ragged_without_the_short_sequence_launch(backend):
+    """`short_sequences=False` (a batch of prompt chunks) leaves the sequences of one or a few
+    tokens to the main launch: the same attention from one kernel launch instead of two (the
+    Mosaic kernel's launches: tests/test_mosaic_prefill.py, `test_cross_lowers`)."""
+    require(backend, ("ragged",), jnp.bfloat16)
+    rng = np.random.default_rng(7)
+    batch = make_batch(rng, MIXED, dtype=jnp.bfloat16, num_q_heads=4, num_kv_heads=2, head_dim=64)
+    out, lse = _ragged(backend, batch, short_sequences=False)
+    assert_close(out, lse, *oracle(batch), jnp.bfloat16)
+
+    def launches(short_sequences):
+        def attend(*args):
+            return jaxpaged.ragged_paged_attention(
+                *args, implementation=backend, short_sequences=short_sequences
+            )
+
+        return str(jax.make_jaxpr(attend)(*batch.args())).count("pallas_call[")
+
+    if backend == "triton":
+        assert (launches(True), launches(False)) == (2, 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("prefix", [0, 1, 15, 16, 17, 31, 33])
 def test_chunk_on_prefix_every_alignment(backend, prefix):
     """A chunk appended to a cached prefix equals the same rows of single-shot prefill."""

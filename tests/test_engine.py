@@ -9,6 +9,7 @@ differ only where XLA fuses the loop body differently) and greedy tokens are ide
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -820,15 +821,16 @@ def test_steps_stay_in_flight_only_outside_command_buffers():
     assert not uses_command_buffers(NO_GRAPHS)
     assert not uses_command_buffers(without_command_buffers(SMALL_STEP_XLA_OPTIONS))
     assert dict(without_command_buffers(SMALL_STEP_XLA_OPTIONS))["xla_gpu_graph_min_graph_size"]
-    # The mixed steps that may stay in flight: on a GPU a kind of their own, without them.
+    # The mixed steps that may stay in flight: a prompt-only kind of their own, on a GPU
+    # without command buffers.
     engine = _engine("xla", xla_options=SMALL_STEP_XLA_OPTIONS)
     treedef = jax.tree.structure(engine.params)
-    in_flight = step_function(
-        engine.graphdef, treedef, without_command_buffers(SMALL_STEP_XLA_OPTIONS), ahead=True
-    )
     on_gpu = jax.default_backend() == "gpu"
-    assert (engine.step_fn(False, in_flight=True) is in_flight) == on_gpu
-    assert (engine.step_fn(False, in_flight=True) is engine.step_fn(False)) != on_gpu
+    options = without_command_buffers(SMALL_STEP_XLA_OPTIONS) if on_gpu else SMALL_STEP_XLA_OPTIONS
+    in_flight = step_function(engine.graphdef, treedef, options, ahead=True, prompt_only=True)
+    assert engine.step_fn(False, in_flight=True) is in_flight
+    mixed = step_function(engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS, ahead=not on_gpu)
+    assert engine.step_fn(False) is mixed
 
 
 def test_prompt_chunks_leave_command_buffers_to_stay_in_flight():
@@ -882,3 +884,32 @@ def test_a_step_without_the_check_is_enqueued_only_after_the_step_in_flight_is_r
         engine.step()
     [ref] = _generate(_engine("xla", decode_steps=None, overlap=False), [prompt], params)
     _assert_same([seq], [ref])
+
+
+def test_prompt_only_steps_sample_nothing_and_skip_the_decode_token_launch():
+    """The kind that a step of prompt chunks stays in flight in has no vocabulary projection
+    or sampling (its tokens, logprobs and logits are None) and one ragged-attention launch a
+    layer where the mixed kind has two (the second takes decode tokens)."""
+    engine = _engine("triton", chunk_size=8, max_tokens_per_step=8, decode_steps=None)
+    engine.add_request(_prompt(20, 1), SamplingParams(4))
+    plan = engine.scheduler.schedule()
+    assert plan.chunks and not any(c.samples for c in plan.chunks)
+    args = (engine.param_leaves, engine.kv_pages, engine.pool, engine._inputs(plan))
+    options = dict(decode=False, all_logits=False, implementation="triton")
+    with jaxpaged.quiet_triton_deprecation():
+        mixed, prompt_only = (
+            engine.step_fn(False, in_flight=in_flight).trace(*args, **options)
+            for in_flight in (False, True)
+        )
+    out = prompt_only.out_info[2]
+    assert out.tokens is None and out.logprobs is None and out.logits is None
+    assert mixed.out_info[2].tokens is not None
+    # The Triton kernel's launches: "_short" takes the sequences of a few tokens.
+    launches = [
+        set(re.findall(r"name=(ragged_paged_prefill\w*)", str(t.jaxpr)))
+        for t in (mixed, prompt_only)
+    ]
+    assert launches == [
+        {"ragged_paged_prefill", "ragged_paged_prefill_short"},
+        {"ragged_paged_prefill"},
+    ]

@@ -377,7 +377,8 @@ def test_engine_recovers_from_failed_reservations():
 
 def test_steps_do_not_recompile_after_warm_up():
     engine = _engine("xla")
-    _run(engine, [_prompt(40), _prompt(3)], SamplingParams(4))  # a mixed and a decode step
+    # A mixed, a prompt-only (the first 64 tokens of 100) and a decode step.
+    _run(engine, [_prompt(100), _prompt(3)], SamplingParams(4))
     with count_compilations() as compiles:
         _run(
             engine,

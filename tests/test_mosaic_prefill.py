@@ -66,6 +66,7 @@ LOWERING_CASES = [
         dict(config=mosaic.MosaicPrefillConfig(block_kv=64, num_stages=3, short_sequences=False)),
         517,
     ),
+    ((128, (32, 8), 16), jnp.bfloat16, dict(short_sequences=False), 64),
 ]
 
 
@@ -79,7 +80,8 @@ def test_cross_lowers(shape, dtype, options, tokens):
     args = _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, dtype, tokens=tokens)
     text = lower_for_hopper(_mosaic_fn(**options), *args)
     # The prefill kernel, and the decode kernel for the sequences of one token.
-    short = options.get("config", mosaic.MosaicPrefillConfig()).short_sequences
+    config = options.get("config", mosaic.MosaicPrefillConfig())
+    short = config.short_sequences and options.get("short_sequences", True)
     assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 1 + short
 
 

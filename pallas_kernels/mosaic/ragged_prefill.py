@@ -105,13 +105,15 @@ def ragged_paged_attention(
     logits_soft_cap: float | None = None,
     config: MosaicPrefillConfig | None = None,
     interpret: bool = False,
+    short_sequences: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of a flat ragged batch over paged KV (bottom-right causal), Hopper only.
 
     Semantics are those of `jaxpaged.reference.ragged_paged_attention_reference`, arguments
     those of `jaxpaged.ragged_paged_attention`, with q, k_pages and v_pages in bfloat16 or
     float16, D a multiple of 64 up to 256 and a
-    page size that is a multiple of 8 dividing `config.block_kv`.
+    page size that is a multiple of 8 dividing `config.block_kv`. `short_sequences=False`
+    overrides `config.short_sequences`.
 
     Returns:
       `out` [T, Hq, D] in q's dtype and `lse` f32[T, Hq] (natural log); rows with no visible
@@ -119,6 +121,8 @@ def ragged_paged_attention(
     """
     head_dim = q.shape[-1]
     config = MosaicPrefillConfig.default(head_dim) if config is None else config
+    if not short_sequences:
+        config = dataclasses.replace(config, short_sequences=False)
     _check(q, k_pages.shape[1], config, interpret)
     return _ragged_paged_attention(
         q,

@@ -269,6 +269,7 @@ def ragged_paged_attention(
     logits_soft_cap: float | None = None,
     config: PrefillConfig | None = None,
     interpret: bool = False,
+    short_sequences: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of a flat ragged batch over paged KV (bottom-right causal), one Triton kernel.
 
@@ -283,6 +284,7 @@ def ragged_paged_attention(
       sm_scale, causal, sliding_window, logits_soft_cap: as the reference.
       config: tiles and launch options; None picks `PrefillConfig.default(D, q.dtype)`.
       interpret: run in Pallas interpret mode (CPU).
+      short_sequences: False leaves every sequence to the first launch (`short_block_q=0`).
 
     Returns:
       `out` [T, Hq, D] in q's dtype and `lse` f32[T, Hq] (natural log); rows with no visible
@@ -296,6 +298,8 @@ def ragged_paged_attention(
         )
     if config is None:
         config = PrefillConfig.default(head_dim, q.dtype)
+    if not short_sequences:
+        config = dataclasses.replace(config, short_block_q=0)
     return _ragged_paged_attention(
         q,
         k_pages,
