@@ -25,7 +25,8 @@ and, for our kernels, `vs_<anchor>` = anchor time / our time, both measured in t
   an `impl="parts"` record whose `mixed_by` names the fastest kernel of the one call.
 - shared_prefix: 8 prompts x 8 samples sharing 4096 or 16384 prompt tokens plus 128 tokens of
   their own, page 16: `shared_prefix_decode_attention` (groups found and planned untimed, as
-  once per step) against plain decode of the same K/V in per-sample copies (`private`) and
+  once per step, with a group slot per prompt; a variant with the default's 32 slots) against
+  plain decode of the same K/V in per-sample copies (`private`) and
   through the shared page table (`plain`), by the Triton and Mosaic kernels. TB/s counts every
   sequence's K/V.
 
@@ -50,7 +51,7 @@ import jax.numpy as jnp
 from benchmarks import inputs as bi
 from benchmarks.common import L2_BYTES, Runner, environment, error_text, kernel_time_ms, print_table
 from benchmarks.inputs import Batch, DecodeCase
-from jaxpaged import quiet_triton_deprecation, shared_prefix_decode_attention
+from jaxpaged import plan_cascade, quiet_triton_deprecation, shared_prefix_decode_attention
 from jaxpaged.shared_prefix import default_prefix_splits
 from pallas_kernels.common import H200_NUM_SMS
 
@@ -336,12 +337,20 @@ def run_shared_prefix(cases, *, interpret: bool, budget_s: float, iterations: in
         if runner.over_budget():
             _skip(runner.records, name, **shape)
             continue
-        args, private_table = bi.make_shared_prefix_inputs(prompts, samples, shared, private)
+        # The plan's group slots: one per prompt, as a rollout engine of `samples` samples a
+        # request sets them (`EngineConfig.max_prefix_groups`); and, as a variant, every
+        # group a batch of this size may have (the default).
+        args, private_table = bi.make_shared_prefix_inputs(
+            prompts, samples, shared, private, max_groups=prompts
+        )
+        every_slot = plan_cascade(args[5].groups, args[4], args[3], page_size=16)
         kv_bytes = bi.kv_cache_bytes(prompts * samples * (shared + private))
         print(f"== {name}: {kv_bytes / 2**20:.0f} MiB of KV over the sequences", flush=True)
         for impl in ours:
             op = functools.partial(shared_prefix_decode_attention, implementation=impl)
             runner.record(name, impl, "cascade", op, *args, work=kv_bytes, **shape)
+            variant = f"cascade, {every_slot.prefix_members.shape[0]} group slots"
+            runner.record(name, impl, variant, op, *args[:5], every_slot, work=kv_bytes, **shape)
             if impl != "xla":  # the reference takes no splits; the default's neighbours
                 k = default_prefix_splits(
                     impl, prompts, bi.NUM_KV_HEADS, shared + private, bi.HEAD_DIM, bi.DTYPE

@@ -148,12 +148,14 @@ def xla_decode_fn(q, k, v, kv_lens, table):
     return paged_decode_attention(q, k, v, kv_lens, table, implementation="xla")
 
 
-def make_shared_prefix_inputs(prompts: int, samples: int, shared: int, private: int, page_size=16):
+def make_shared_prefix_inputs(
+    prompts: int, samples: int, shared: int, private: int, page_size=16, max_groups=None
+):
     """`prompts * samples` decode sequences of `shared + private` tokens: each prompt's first
     `shared` (whole pages) in pages all its samples list, then `private` of their own. Returns
     `shared_prefix_decode_attention`'s `(q, k, v, kv_lens, table, plan)` (a group per prompt,
-    planned as the engine does once per step for all layers) and the table of the same batch
-    in per-sample copies of the shared pages (the same K/V)."""
+    planned as the engine does once per step for all layers, with `max_groups` group slots)
+    and the table of the same batch in per-sample copies of the shared pages (the same K/V)."""
     batch, kv_len = prompts * samples, shared + private
     pages_per_seq, num_shared = -(-kv_len // page_size), shared // page_size
     table = np.random.default_rng(0).permutation(batch * pages_per_seq).reshape(batch, -1)
@@ -167,7 +169,7 @@ def make_shared_prefix_inputs(prompts: int, samples: int, shared: int, private: 
     groups = find_prefix_groups(
         shared_table, kv_lens, page_size, max_group_size=samples, min_saved_tokens=0
     )
-    plan = plan_cascade(groups, shared_table, kv_lens, page_size)
+    plan = plan_cascade(groups, shared_table, kv_lens, page_size, max_groups=max_groups)
     q = jax.random.normal(keys[0], (batch, NUM_Q_HEADS, HEAD_DIM), DTYPE)
     return (q, k, v, kv_lens, shared_table, plan), jnp.asarray(table, jnp.int32)
 

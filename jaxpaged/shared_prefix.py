@@ -97,8 +97,10 @@ class CascadePlan:
     """A step's `PrefixGroups` as the metadata of the cascade's two decode calls (a pytree):
     what every layer would otherwise derive again (`plan_cascade`, once per step).
 
-    The prefix call runs over the nonempty groups only, packed into `Gs = max(1, S // 2)`
-    group slots (a group has at least two members, so there are at most S / 2 of them).
+    The prefix call runs over the nonempty groups only, packed into `Gs` group slots:
+    `max(1, S // 2)` by default (a group has at least two members, so there are at most S / 2
+    of them), or the `max_groups` of `plan_cascade`. Each slot is a work item of the prefix
+    call per KV head and split whether a group fills it or not.
 
     groups: the `PrefixGroups` it was planned from (`use` decides the path).
     prefix_members: i32[Gs, n], the members of each packed group (-1: none).
@@ -126,30 +128,49 @@ class CascadePlan:
 
 
 def plan_cascade(
-    groups: PrefixGroups, page_indices: jax.Array, kv_lens: jax.Array, page_size: int
+    groups: PrefixGroups,
+    page_indices: jax.Array,
+    kv_lens: jax.Array,
+    page_size: int,
+    *,
+    max_groups: int | None = None,
 ) -> CascadePlan:
     """The `CascadePlan` of a decode step's groups, page table and KV lengths (jittable; call
     it once per step and pass the plan to every layer's `shared_prefix_decode_attention`).
     Every index is clamped: garbage `groups` give wrong numbers, never an access outside the
-    arrays."""
+    arrays.
+
+    `max_groups`: the prefix call's group slots (static; None: every group the step may have,
+    `max(1, S // 2)`). A slot no group fills still costs the prefix call its work items (at 8
+    prompts x 8 samples of 4096 shared tokens, 32 slots took 68.2 us against 63.5 for 8:
+    benchmarks/NOTES.md, session 14), so a caller that knows its batch (say, requests of n
+    samples: S / n groups) passes that. Groups past the slots, in slot order of their first
+    members, read their prefix in the suffix call as if they shared nothing: the same
+    attention, without the saving."""
     _check_table(kv_lens, page_indices)
     _check_group_arrays(groups, kv_lens.shape[0])
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1; got {page_size!r}")
-    return _plan_cascade(groups, page_indices, kv_lens, page_size=page_size)
+    if max_groups is not None and (
+        not isinstance(max_groups, int) or isinstance(max_groups, bool) or max_groups < 1
+    ):
+        raise ValueError(f"max_groups must be None or an int >= 1; got {max_groups!r}")
+    return _plan_cascade(groups, page_indices, kv_lens, page_size=page_size, max_groups=max_groups)
 
 
-@functools.partial(jax.jit, static_argnames=("page_size",))
-def _plan_cascade(groups, page_indices, kv_lens, *, page_size):
+@functools.partial(jax.jit, static_argnames=("page_size", "max_groups"))
+def _plan_cascade(groups, page_indices, kv_lens, *, page_size, max_groups=None):
     num_seq_slots, pages_per_seq = page_indices.shape
     size = groups.max_group_size
     slot = functools.partial(jnp.clip, min=0, max=num_seq_slots - 1)
     members = groups.members
     present = (members >= 0) & (members < num_seq_slots)
     shared = jnp.where(present[:, 0], jnp.clip(groups.shared_pages, 0, pages_per_seq), 0)
-    num_group_slots = max(1, num_seq_slots // 2)
+    num_group_slots = max(1, num_seq_slots // 2) if max_groups is None else max_groups
     nonempty = shared > 0
-    packed = jnp.where(nonempty, jnp.cumsum(nonempty) - 1, num_group_slots)  # per group slot
+    # Each group's packed slot; num_group_slots (dropped, below) past the last one.
+    packed = jnp.where(nonempty, jnp.cumsum(nonempty) - 1, num_group_slots)
+    packed = jnp.minimum(packed, num_group_slots)
     group_slot = (
         jnp.full((num_group_slots,), -1, jnp.int32)
         .at[packed]
@@ -442,7 +463,9 @@ def _check_group_arrays(groups: PrefixGroups, num_seq_slots: int) -> None:
 
 
 def _check_plan(plan: CascadePlan, num_seq_slots: int, pages_per_seq: int) -> None:
-    num_group_slots, size = max(1, num_seq_slots // 2), plan.groups.members.shape[1]
+    size = plan.groups.members.shape[1]
+    shape = getattr(plan.prefix_members, "shape", None)
+    num_group_slots = shape[0] if shape else 1  # any count: `plan_cascade`'s max_groups
     want = {
         "prefix_members": (num_group_slots, size),
         "prefix_kv_lens": (num_group_slots,),

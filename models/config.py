@@ -114,6 +114,10 @@ class EngineConfig:
       steps run plain decode.
     max_prefix_group: most sequences per group; None: the most every decode backend takes for
       the model (`jaxpaged.default_max_group_size`).
+    max_prefix_groups: most groups a decode step reads prefixes once for (`jaxpaged.plan_cascade`'s
+      `max_groups`); None: every group a step may have (max_seqs // 2). Each costs the prefix
+      call work whether a group fills it or not: rollouts of n samples per prompt set
+      `max_seqs // n`. Groups past it read their prefixes as sequences that share nothing.
     """
 
     page_size: int = 16
@@ -128,6 +132,7 @@ class EngineConfig:
     shared_prefix_attention: bool = True
     shared_prefix_min_tokens: int = MIN_SAVED_TOKENS
     max_prefix_group: int | None = None
+    max_prefix_groups: int | None = None
 
     def __post_init__(self):
         if self.decode_steps is not None and self.decode_steps < 1:
@@ -137,6 +142,10 @@ class EngineConfig:
         if self.shared_prefix_min_tokens < 0:
             raise ValueError(
                 f"shared_prefix_min_tokens must be >= 0; got {self.shared_prefix_min_tokens}"
+            )
+        if self.max_prefix_groups is not None and self.max_prefix_groups < 1:
+            raise ValueError(
+                f"max_prefix_groups must be None or >= 1; got {self.max_prefix_groups}"
             )
         if self.max_prefix_group is not None and self.max_prefix_group < 2:
             raise ValueError(

@@ -72,10 +72,12 @@ class StepInputs(NamedTuple):
 
 class PrefixSharing(NamedTuple):
     """How decode steps and blocks group the sequences that share their first pages (static):
-    the `max_group_size` and `min_saved_tokens` of `jaxpaged.find_prefix_groups`."""
+    the `max_group_size` and `min_saved_tokens` of `jaxpaged.find_prefix_groups`, and the
+    `max_groups` of `jaxpaged.plan_cascade`."""
 
     max_group_size: int
     min_saved_tokens: int
+    max_groups: int | None = None
 
 
 class StepOutputs(NamedTuple):
@@ -171,7 +173,13 @@ def _forward(
         )
         # Found and planned once per step: the barrier keeps XLA from fusing the search into
         # every layer.
-        plan = jaxpaged.plan_cascade(groups, meta.page_indices, meta.kv_lens, pool.page_size)
+        plan = jaxpaged.plan_cascade(
+            groups,
+            meta.page_indices,
+            meta.kv_lens,
+            pool.page_size,
+            max_groups=shared_prefix.max_groups,
+        )
         meta = dataclasses.replace(meta, prefix_groups=jax.lax.optimization_barrier(plan))
     model = nnx.merge(graphdef, params)
     hidden, kv_pages = model(tokens, kv_pages, meta, implementation=implementation)
@@ -670,7 +678,7 @@ class Engine:
             or most_saved < config.shared_prefix_min_tokens
         ):
             return None
-        return PrefixSharing(size, config.shared_prefix_min_tokens)
+        return PrefixSharing(size, config.shared_prefix_min_tokens, config.max_prefix_groups)
 
     def step_fn(self, decode: bool, shared_prefix: bool = True, in_flight: bool = False):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,

@@ -172,6 +172,12 @@ def test_cascade_equals_plain_decode(backend, num_q_heads, num_kv_heads, size, d
     plan = jaxpaged.plan_cascade(groups, pool.page_indices, pool.kv_lens, PAGE)
     for got, want in zip(decode(plan), cascade, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # One group slot (`max_groups`): the first group reads its prefix once, the others all
+    # their pages in the suffix call, as sequences that share nothing.
+    one = jaxpaged.plan_cascade(groups, pool.page_indices, pool.kv_lens, PAGE, max_groups=1)
+    assert one.prefix_members.shape[0] == 1
+    assert 0 < int(np.sum(one.mine)) < int(np.sum(plan.mine))
+    _assert_equal_to_plain(plain, decode(one), dtype)
     empty = dataclasses.replace(
         groups,
         members=jnp.full_like(groups.members, -1),
@@ -385,6 +391,8 @@ def test_bad_arguments_raise_before_tracing():
     groups = jaxpaged.PrefixGroups(**fields)
     with pytest.raises(ValueError, match="page_size must be an int >= 1"):
         jaxpaged.plan_cascade(groups, args[4], args[3], 0)
+    with pytest.raises(ValueError, match="max_groups must be None or an int >= 1"):
+        jaxpaged.plan_cascade(groups, args[4], args[3], PAGE, max_groups=0)
     plan = jaxpaged.plan_cascade(groups, args[4], args[3], PAGE)
     bad = dataclasses.replace(plan, suffix_table=plan.suffix_table[:, :1])
     with pytest.raises(ValueError, match=r"CascadePlan.suffix_table must be int32\[13, "):
@@ -415,6 +423,13 @@ def test_engine_outputs_equal_those_without_shared_prefix_attention(decode_steps
         for seq, ref in zip(samples, refs, strict=True):
             np.testing.assert_allclose(seq.output_logits, ref.output_logits, rtol=0, atol=1e-5)
 
+    # One group slot a step: the other groups read their prefixes as private pages.
+    one_slot = _engine("xla", decode_steps=decode_steps, max_prefix_groups=1, **SHARING)
+    with jaxpaged.quiet_triton_deprecation():
+        seqs = one_slot.generate(SHARED_PROMPTS, SHARED_PARAMS[True])
+    assert one_slot.stats.shared_prefix_steps > 0
+    _assert_same(_all_samples(seqs), refs)
+
     # Prefix-cache hits: two requests start on a running request's first two pages.
     base = _prompt(45, 71)
     prompts = [base, base[:40] + _prompt(3, 72), base[:33] + _prompt(9, 73)]
@@ -444,6 +459,8 @@ def test_engine_takes_the_shared_prefix_path_only_where_it_can_pay():
     small configs); groups as large as the backends take for the model otherwise."""
     assert _engine("xla").prefix_sharing is None  # at most 3 * 9 pages saved: below 4096
     assert _engine("xla", **SHARING).prefix_sharing == PrefixSharing(2, 1)
+    one_group = _engine("xla", max_prefix_groups=1, **SHARING).prefix_sharing
+    assert one_group == PrefixSharing(2, 1, max_groups=1)
     assert _engine("xla", shared_prefix_min_tokens=1).prefix_sharing == PrefixSharing(32, 1)
     off = dict(SHARING, shared_prefix_attention=False)
     assert _engine("xla", **off).prefix_sharing is None
@@ -454,6 +471,8 @@ def test_engine_takes_the_shared_prefix_path_only_where_it_can_pay():
         EngineConfig(shared_prefix_min_tokens=-1)
     with pytest.raises(ValueError, match="max_prefix_group must be None or >= 2"):
         EngineConfig(max_prefix_group=1)
+    with pytest.raises(ValueError, match="max_prefix_groups must be None or >= 1"):
+        EngineConfig(max_prefix_groups=0)
 
 
 def test_engine_takes_the_shared_prefix_path_only_while_sequences_share_pages():
