@@ -102,6 +102,9 @@ def rollout(model, args, rng) -> list[dict]:
     shared = list(zip(prompts, params, strict=True))
     private = [(p, sp.for_sample(j)) for p, sp in shared for j in range(n)]
     config = _config(args, args.prompts * n, args.prompt_len + args.new_tokens)
+    # A group slot per prompt in the cascade's prefix call, as a rollout of n samples per
+    # prompt sets it (`EngineConfig.max_prefix_groups`; the default has max_seqs // 2).
+    config = dataclasses.replace(config, max_prefix_groups=args.prompts)
     modes = [("private", config, private), ("shared", config, shared)]
     if "shared_prefix_attention" in {f.name for f in dataclasses.fields(EngineConfig)}:
         no_shared = dataclasses.replace(config, shared_prefix_attention=False)
