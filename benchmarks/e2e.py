@@ -273,6 +273,7 @@ def _decode_part(engine: Engine, prompts, steps: int, profile: bool = False, top
         engine.step()
     engine.sync()
     stats = dataclasses.replace(engine.stats)
+    lengths = sum(len(s.tokens) for s in seqs)
     if profile:
         from jax._src.lib import mosaic_gpu  # noqa: PLC0415 - private, GPU only
 
@@ -286,12 +287,15 @@ def _decode_part(engine: Engine, prompts, steps: int, profile: bool = False, top
         timings = mosaic_gpu._mosaic_gpu_ext._cupti_get_timings(True)
     steps = engine.stats.decode_steps - stats.decode_steps
     tokens = engine.stats.decode_tokens - stats.decode_tokens
+    # The rows' mean KV length over the window (a row's cached tokens when it decodes one).
+    mean_kv_len = (2 * lengths + tokens) / (2 * len(prompts))
     if tokens != len(prompts) * steps:
         raise RuntimeError(f"a row left the timed window: {tokens} tokens in {steps} steps")
     while engine.has_work():
         engine.step()
     result = dict(
         steps=steps,
+        mean_kv_len=mean_kv_len,
         tokens_per_s=tokens / seconds,
         wall_ms_per_step=1e3 * seconds / steps,
         dispatch_ms_per_step=1e3 * (engine.stats.dispatch_time - stats.dispatch_time) / steps,
@@ -483,7 +487,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             )
             case.update({k: v for k, v in profiled.items() if k not in case})
             case["wall_over_gpu"] = case["wall_ms_per_step"] / case["gpu_ms_per_step"]
-        floor_bytes = _step_bytes(model.config, batch, args.ctx + args.new_tokens // 2)
+        floor_bytes = _step_bytes(model.config, batch, round(case["mean_kv_len"]))
         case["floor_bytes_per_step"] = floor_bytes
         if copy_tb_s:
             case["copy_tb_s"] = copy_tb_s
