@@ -124,7 +124,9 @@ class StepMetadata:
             # every element of the update recomputes its row's slot.
             slots = jax.lax.optimization_barrier(slots)
         if decode and prompt_only:
-            raise ValueError("a decode step holds decode tokens: decode and prompt_only exclude")
+            raise ValueError(
+                "decode=True and prompt_only=True: a decode step's tokens are decode tokens"
+            )
         positions = jnp.where(live, pos, 0)
         return cls(
             kv_lens, page_indices, cu_q_lens, n, positions, slots, decode, prompt_only=prompt_only

@@ -209,6 +209,16 @@ def test_step_metadata_positions():
         jaxpaged.StepMetadata.build(
             kv_lens, jnp.zeros((4, 2), jnp.int32), cu, 3, num_tokens=8, decode=True
         )
+    with pytest.raises(ValueError, match="decode=True and prompt_only=True"):
+        jaxpaged.StepMetadata.build(
+            kv_lens,
+            jnp.zeros((4, 2), jnp.int32),
+            cu,
+            3,
+            num_tokens=4,
+            decode=True,
+            prompt_only=True,
+        )
 
 
 def test_layer_runs_under_jit_with_donated_pages():
