@@ -71,7 +71,7 @@ PrefillConfig = ragged_prefill.MosaicPrefillConfig
 
 # name -> (kernel, abstract args, options, poisoned outputs)
 CASES = {
-    # B=1 ctx 32768: the default persistent config, 16 splits.
+    # B=1 ctx 32768: the default config, 16 splits (128 items: the grid of items).
     "decode-b1-ps16-ctx32768": _decode(_decode_args(1, 32, 8, 128, 16, 2048, BF16)),
     # B=8 ctx 32768 at page 64: 2 splits.
     "decode-b8-ps64-ctx32768": _decode(_decode_args(8, 32, 8, 128, 64, 512, BF16)),

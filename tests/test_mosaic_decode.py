@@ -211,6 +211,34 @@ def test_persistent_grid_and_order():
     assert "stablehlo.sort" not in lower_for_hopper(_mosaic_fn(num_splits=1, config=plain), *args)
 
 
+@pytest.mark.parametrize(
+    "seqs,num_splits,persistent,programs",
+    [
+        (3, 1, False, 24),
+        (16, 1, False, 128),
+        (1, 16, False, 128),
+        (17, 1, True, 132),
+        (64, 1, True, 132),
+    ],
+)
+def test_persistent_only_past_one_item_per_sm(monkeypatch, seqs, num_splits, persistent, programs):
+    """The default config walks items in persistent programs only when there are more items
+    than SMs; with no more, the kernel runs the grid of items (one program an item either
+    way, without the walk's output staging and waits)."""
+    seen = {}
+    make_body = mosaic.decode_body.make_body
+
+    def spy(**kwargs):
+        seen.update(persistent=kwargs["config"].persistent, programs=kwargs["num_programs"])
+        return make_body(**kwargs)
+
+    monkeypatch.setattr(mosaic.decode_body, "make_body", spy)
+    monkeypatch.setattr(mosaic, "device_num_sms", lambda: 132)
+    args = _abstract_args(128, 16, 8, 16, jnp.bfloat16, seqs=seqs, pages=seqs * 8)
+    assert "mosaic_gpu" in lower_for_hopper(_mosaic_fn(num_splits=num_splits), *args)
+    assert seen == dict(persistent=persistent, programs=programs)
+
+
 def _ranked_slots(kv_lens):
     """`order_slots` as the decode kernel runs it: the copy warpgroup ranks the slots and
     arrives on a barrier; the compute warpgroup waits on it and copies the order out."""
