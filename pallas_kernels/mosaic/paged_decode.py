@@ -65,8 +65,8 @@ class MosaicDecodeConfig:
         sequence in order, all first splits before any second one), so that in a ragged
         batch no SM is left with a long item at the end. Up to `slot_order.MAX_SLOTS_RANKED`
         slots each program ranks them in shared memory as it starts; more take one XLA sort
-        of `kv_lens` per call (`slot_order.choose`). Persistent programs with at most one
-        item each skip the order.
+        of `kv_lens` per call (`slot_order.choose`). Calls of one item a program skip the
+        order.
       persistent: launch one program per SM, each walking its items (KV head, split, slot)
         of a snake order (`decode_body.snake_item`) with one K/V pipeline: the next item's
         pages stream in while the last one finishes, so an SM pays the pipeline fill once,
