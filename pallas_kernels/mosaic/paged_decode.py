@@ -206,7 +206,7 @@ def paged_decode_attention(
         # One item a program either way; the grid of items skips the persistent loop's output
         # staging and waits (the `1b` shape at B=16: 23.9 against 25.0 us a call, run 88).
         config = dataclasses.replace(config, persistent=False)
-    num_programs = min(num_items, device_num_sms()) if config.persistent else num_items
+    num_programs = device_num_sms() if config.persistent else num_items
     ordering = slot_order.choose(config, pl.cdiv(num_items, num_programs), num_seq_slots)
     body = decode_body.make_body(
         group=group,
