@@ -13,9 +13,10 @@ Shared prefixes (cascade attention): shared_prefix_decode_attention is decode th
   (jittable, once per step; validate_prefix_groups checks hand-built ones on the host;
   default_max_group_size is the largest group every backend takes), or over the CascadePlan
   plan_cascade builds from them once per step for every layer.
-State: PagePool with create_pool / reserve / fork / attach / release / batch_metadata (pages
-  shared between sequences are reference-counted) and retain / drop (pages held without a
-  slot, as a prefix cache holds them); validate_fork checks a fork on the host.
+State: PagePool with create_pool / reserve / truncate / fork / attach / release /
+  batch_metadata (pages shared between sequences are reference-counted) and retain / drop
+  (pages held without a slot, as a prefix cache holds them); validate_fork checks a fork on
+  the host.
 Layer: PagedAttention (Flax NNX, GQA + RoPE over one layer's pages) with StepMetadata and
   RopeScaling.
 """
@@ -55,6 +56,7 @@ from jaxpaged.page_pool import (
     release,
     reserve,
     retain,
+    truncate,
     validate_fork,
 )
 from jaxpaged.shared_prefix import (
@@ -104,6 +106,7 @@ __all__ = [
     "shared_prefix_decode_attention",
     "split_qkv",
     "tensor_parallel_size",
+    "truncate",
     "resolve_implementation",
     "validate_batch",
     "validate_fork",

@@ -129,6 +129,51 @@ def reserve(pool: PagePool, seq_ids: jax.Array, new_lens: jax.Array) -> tuple[Pa
 
 
 @functools.partial(jax.jit, donate_argnums=0)
+def truncate(pool: PagePool, seq_ids: jax.Array, new_lens: jax.Array) -> tuple[PagePool, jax.Array]:
+    """Shrink sequences to `new_lens` tokens, giving back the pages past their new ends: the
+    undo of a `reserve` whose tokens were not all written (a decode block reserves its steps'
+    pages before it runs them, and a row that stops early gives the rest back).
+
+    Args:
+      pool: the pool (donated).
+      seq_ids: i32[N] slots; a slot may repeat (its smallest length counts); a negative id is
+        padding and ignored.
+      new_lens: i32[N] lengths, each in [0, the slot's kv_len]: a length never grows here.
+
+    Returns:
+      `(pool, ok)`. Each page past a slot's new last page loses that holder, and is free once
+      it has none. When a slot id is >= max_seqs, a length is negative or above its slot's
+      kv_len, or a slot would end inside a page other sequences share (its next token would
+      be written into their page), `ok` is False and the pool comes back unchanged.
+    """
+    seq_ids = jnp.asarray(seq_ids, jnp.int32)
+    new_lens = jnp.asarray(new_lens, jnp.int32)
+    padding = seq_ids < 0
+    slots = _slot_or_oob(pool, seq_ids)
+    current = pool.kv_lens.at[slots].get(mode="fill", fill_value=0)
+    valid = jnp.all(padding | ((seq_ids < pool.max_seqs) & (new_lens >= 0) & (new_lens <= current)))
+    target = pool.kv_lens.at[slots].min(jnp.maximum(new_lens, 0), mode="drop")
+    keep = -(-target // pool.page_size)
+    # The page a slot's next token goes to, when it is the slot's partly filled last page.
+    last = pool.page_indices[jnp.arange(pool.max_seqs), jnp.maximum(keep - 1, 0)]
+    ends_mid_page = (target % pool.page_size != 0) & (target < pool.kv_lens)
+    shared = pool.refcount.at[last].get(mode="fill", fill_value=0) > 1
+    ok = valid & ~jnp.any(ends_mid_page & shared)
+    k = jnp.arange(pool.pages_per_seq, dtype=jnp.int32)[None, :]
+    returned = (k >= keep[:, None]) & (k < pool.num_owned[:, None])
+    shrunk = PagePool(
+        refcount=pool.refcount.at[jnp.where(returned, pool.page_indices, pool.num_pages)].add(
+            -1, mode="drop"
+        ),
+        page_indices=jnp.where(returned, -1, pool.page_indices),
+        kv_lens=target,
+        num_owned=jnp.minimum(pool.num_owned, keep),
+        page_size=pool.page_size,
+    )
+    return _if_ok(ok, shrunk, pool), ok
+
+
+@functools.partial(jax.jit, donate_argnums=0)
 def fork(
     pool: PagePool, src: jax.Array, dst_seq_ids: jax.Array
 ) -> tuple[PagePool, jax.Array, tuple[jax.Array, jax.Array]]:

@@ -6,9 +6,10 @@ Four jitted functions, each compiled once (all shapes come from `EngineConfig`):
           decodes riding along; attention by `ragged_paged_attention`.
   decode  a step of one token per sequence slot; attention by `paged_decode_attention`, or,
           where sequences share their first pages, by `shared_prefix_decode_attention`.
-  block   up to `decode_steps` decode steps in one `lax.while_loop`: each step reserves its
-          pages in the pool, appends K/V, samples on the device and feeds the token back;
-          rows stop on the device at a stop token or their token budget.
+  block   up to `decode_steps` decode steps in one `lax.while_loop`: the block reserves its
+          steps' pages in the pool once, each step appends K/V, samples on the device and
+          feeds the token back; rows stop on the device at a stop token or their token
+          budget, and give back the pages they did not fill after the loop.
   fork    after the step that completes the prompt of a request of n samples: its other
           samples start as forks of it in the pool, sharing its full pages, with the copy of
           its last page in every layer (`fork_samples`).
@@ -112,7 +113,7 @@ class BlockOutputs(NamedTuple):
     logprobs: jax.Array  # f32[N, S]
     counts: jax.Array  # i32[S]
     steps: jax.Array  # i32[], decode steps the block ran
-    ok: jax.Array  # bool[], False: it stopped at a step whose pages the pool could not hold
+    ok: jax.Array  # bool[], False: it stopped before a step whose pages the pool could not hold
     shared_prefix_steps: jax.Array  # i32[], of them, the steps that read shared prefixes once
     next: BlockInputs
 
@@ -139,7 +140,6 @@ def _forward(
     decode, implementation = static["decode"], static["implementation"]
     shared_prefix = static["shared_prefix"]
     prompt_only = static.get("prompt_only", False)
-    num_tokens = tokens.shape[0]
     live = jnp.arange(seq_ids.shape[0]) < num_seqs
     seq_ids = jnp.where(live, seq_ids, -1)
     cached, _ = jaxpaged.batch_metadata(pool, seq_ids)
@@ -153,12 +153,49 @@ def _forward(
     # A failed reservation left the pool as it was, so these lengths miss the new tokens and
     # writing them would overwrite the sequences' last cached tokens: run with no sequences.
     num_seqs = jnp.where(ok, num_seqs, 0)
+    kv_pages, meta, hidden, model = _run_model(
+        graphdef,
+        params,
+        kv_pages,
+        tokens,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        page_size=pool.page_size,
+        decode=decode,
+        implementation=implementation,
+        shared_prefix=shared_prefix,
+        prompt_only=prompt_only,
+    )
+    return kv_pages, pool, ok, meta, hidden, model
+
+
+def _run_model(
+    graphdef,
+    params,
+    kv_pages,
+    tokens,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    *,
+    page_size: int,
+    decode: bool,
+    implementation: str | None,
+    shared_prefix: PrefixSharing | None,
+    prompt_only: bool = False,
+):
+    """The decoder over rows whose pages are reserved already (`kv_lens` count the step's
+    tokens): the step's metadata, with a decode step's prefix groups under `shared_prefix`,
+    and the final hidden states. Returns (kv_pages, meta, hidden [T, hidden], model)."""
     meta = jaxpaged.StepMetadata.build(
         kv_lens,
         page_indices,
         cu_q_lens,
         num_seqs,
-        num_tokens=num_tokens,
+        num_tokens=tokens.shape[0],
         decode=decode,
         pool_shape=kv_pages[0][0].shape[:2],
         prompt_only=prompt_only,
@@ -167,7 +204,7 @@ def _forward(
         groups = jaxpaged.find_prefix_groups(
             meta.page_indices,
             meta.kv_lens,
-            pool.page_size,
+            page_size,
             max_group_size=shared_prefix.max_group_size,
             min_saved_tokens=shared_prefix.min_saved_tokens,
         )
@@ -177,13 +214,13 @@ def _forward(
             groups,
             meta.page_indices,
             meta.kv_lens,
-            pool.page_size,
+            page_size,
             max_groups=shared_prefix.max_groups,
         )
         meta = dataclasses.replace(meta, prefix_groups=jax.lax.optimization_barrier(plan))
     model = nnx.merge(graphdef, params)
     hidden, kv_pages = model(tokens, kv_pages, meta, implementation=implementation)
-    return kv_pages, pool, ok, meta, hidden, model
+    return kv_pages, meta, hidden, model
 
 
 def _uses_shared_prefix(meta: jaxpaged.StepMetadata) -> jax.Array:
@@ -250,6 +287,26 @@ def model_step(
     return kv_pages, pool, outputs
 
 
+def block_steps(
+    pool: jaxpaged.PagePool, seq_ids: jax.Array, budgets: jax.Array, num_steps: int
+) -> tuple[jax.Array, jax.Array]:
+    """How many steps (at most `num_steps`) a decode block can reserve at once: the most k
+    for which the free pages hold every row's next `min(k, budget)` tokens and no row grows
+    past its slot's capacity. Returns (k i32[], the rows' lengths after k steps i32[S]); rows
+    with no budget or a negative id (padding) do not grow."""
+    cached, _ = jaxpaged.batch_metadata(pool, seq_ids)
+    budgets = jnp.where(seq_ids >= 0, jnp.maximum(budgets, 0), 0)
+    k = jnp.arange(num_steps + 1, dtype=jnp.int32)[:, None]
+    lens = cached[None, :] + jnp.minimum(k, budgets[None, :])  # [N + 1, S]
+    pages = lambda n: -(-n // pool.page_size)  # noqa: E731
+    need = jnp.sum(pages(lens) - pages(cached)[None, :], axis=1)
+    capacity = pool.pages_per_seq * pool.page_size
+    fits = (need <= jaxpaged.num_free_pages(pool)) & jnp.all(lens <= capacity, axis=1)
+    # `fits` only turns False as k grows, and k = 0 always fits.
+    steps = jnp.sum(fits, dtype=jnp.int32) - 1
+    return steps, lens[steps]
+
+
 def decode_block(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -263,20 +320,26 @@ def decode_block(
 ) -> tuple[KVPages, jaxpaged.PagePool, BlockOutputs]:
     """Up to `num_steps` decode steps in one `lax.while_loop`, traced by `block_function`.
 
-    Each step reserves one more token for every active row (all or nothing, as `reserve`),
-    appends the K/V of the rows' last tokens, samples the next ones and feeds them back. A row
-    stops when it samples one of its stop tokens or spends its budget; its slot then runs as
-    padding (kv_len 0: no read, no write). The loop ends after `num_steps` steps, when no row is
-    active, or before a step whose pages the pool cannot hold (`ok` False; that step writes
-    nothing and its samples are dropped). With `shared_prefix`, each step finds the sequences
-    that share their first pages anew (`model_step`).
+    Before the loop the block reserves the pages of as many steps as the pool holds for every
+    active row (`block_steps`), so that its steps do no work on the pool: each appends the
+    K/V of the rows' last tokens, samples the next ones and feeds them back. A row stops when
+    it samples one of its stop tokens or spends its budget; its slot then runs as padding
+    (kv_len 0: no read, no write). The loop ends after `num_steps` steps, when no row is
+    active, or at the last step reserved (`ok` False when a row could have run on). After it,
+    rows that stopped early give back the pages they did not fill (`jaxpaged.truncate`), so
+    that the pool holds what steps run one at a time would leave. With `shared_prefix`, each
+    step finds the sequences that share their first pages anew (`model_step`).
     """
     num_rows = inputs.tokens.shape[0]
+    seq_ids = jnp.where(inputs.budgets > 0, inputs.seq_ids, -1)
+    cached, _ = jaxpaged.batch_metadata(pool, seq_ids)
+    limit, new_lens = block_steps(pool, seq_ids, inputs.budgets, num_steps)
+    pool, reserved = jaxpaged.reserve(pool, seq_ids, new_lens)
+    limit = jnp.where(reserved, limit, 0)
+    _, table = jaxpaged.batch_metadata(pool, seq_ids)
     init = (
         jnp.int32(0),
-        jnp.bool_(True),
         kv_pages,
-        pool,
         inputs.tokens,
         inputs.budgets,
         jnp.full((num_steps, num_rows), -1, jnp.int32),
@@ -285,40 +348,44 @@ def decode_block(
     )
 
     def cond(carry):
-        step, ok, _, _, _, budgets, _, _, _ = carry
-        return (step < num_steps) & ok & jnp.any(budgets > 0)
+        step, _, _, budgets, _, _, _ = carry
+        return (step < limit) & jnp.any(budgets > 0)
 
     def body(carry):
-        step, _, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs, shared = carry
+        step, kv_pages, tokens, budgets, out_tokens, out_logprobs, shared = carry
+        # A row still active has run every step before this one.
         active = budgets > 0
-        kv_pages, pool, ok, meta, hidden, model = _forward(
+        kv_pages, meta, hidden, model = _run_model(
             graphdef,
             params,
             kv_pages,
-            pool,
             tokens,
-            jnp.where(active, inputs.seq_ids, -1),
+            jnp.where(active, cached + step + 1, 0),
+            jnp.where(active[:, None], table, -1),
             jnp.arange(num_rows + 1, dtype=jnp.int32),
             jnp.int32(num_rows),
+            page_size=pool.page_size,
             decode=True,
             implementation=implementation,
             shared_prefix=shared_prefix,
         )
         new, logprobs = sample(model.logits(hidden), inputs.sampling, meta.kv_lens)
-        live = active & ok
         budgets = jnp.where(
-            live, jnp.where(is_stop(new, inputs.sampling.stop_ids), 0, budgets - 1), budgets
+            active, jnp.where(is_stop(new, inputs.sampling.stop_ids), 0, budgets - 1), budgets
         )
-        out_tokens = out_tokens.at[step].set(jnp.where(live, new, -1))
-        out_logprobs = out_logprobs.at[step].set(jnp.where(live, logprobs, 0.0))
-        tokens = jnp.where(live, new, tokens)
-        shared = shared + (ok & _uses_shared_prefix(meta))
-        return step + ok, ok, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs, shared
+        out_tokens = out_tokens.at[step].set(jnp.where(active, new, -1))
+        out_logprobs = out_logprobs.at[step].set(jnp.where(active, logprobs, 0.0))
+        tokens = jnp.where(active, new, tokens)
+        shared = shared + _uses_shared_prefix(meta)
+        return step + 1, kv_pages, tokens, budgets, out_tokens, out_logprobs, shared
 
-    steps, ok, kv_pages, pool, tokens, budgets, out_tokens, out_logprobs, shared = (
-        jax.lax.while_loop(cond, body, init)
+    steps, kv_pages, tokens, budgets, out_tokens, out_logprobs, shared = jax.lax.while_loop(
+        cond, body, init
     )
     counts = jnp.sum(out_tokens >= 0, axis=0, dtype=jnp.int32)
+    # Rows that stopped before the last step reserved give back the pages they did not fill.
+    pool, truncated = jaxpaged.truncate(pool, seq_ids, cached + counts)
+    ok = truncated & ~((steps == limit) & (limit < num_steps) & jnp.any(budgets > 0))
     next_inputs = inputs._replace(tokens=tokens, budgets=budgets)
     outputs = BlockOutputs(out_tokens, out_logprobs, counts, steps, ok, shared, next_inputs)
     return kv_pages, pool, outputs

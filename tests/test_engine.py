@@ -22,6 +22,7 @@ from models.engine import (
     LARGE_STEP_XLA_OPTIONS,
     SMALL_STEP_XLA_OPTIONS,
     Engine,
+    block_steps,
     fork_samples,
     step_function,
     uses_command_buffers,
@@ -140,6 +141,57 @@ def test_stop_token_ends_its_row_at_that_token(backend):
     _assert_same(seqs, per_step)
 
 
+def test_block_steps_is_the_most_steps_the_free_pages_and_capacities_hold():
+    pool = jaxpaged.create_pool(6, 4, 4, 4)  # 6 pages of 4 tokens, 16 tokens a slot
+    pool, ok = jaxpaged.reserve(pool, jnp.array([0, 1]), jnp.array([3, 8]))  # 3 pages, 3 free
+    assert ok
+    ids = jnp.array([0, 1, -1, 3], jnp.int32)
+    budgets = jnp.array([20, 2, 5, 0], jnp.int32)
+    # Slot 0 needs a page at 5, 9 and 13 tokens; slot 1 one at 9 (its budget of 2 caps it at
+    # 10); padding and the row without budget never grow. 3 free pages: slot 0 reaches 12.
+    steps, lens = block_steps(pool, ids, budgets, 16)
+    assert int(steps) == 9
+    np.testing.assert_array_equal(np.asarray(lens), [12, 10, 0, 0])
+    # Slot 0's capacity (16 tokens) stops it first with pages to spare.
+    pool = jaxpaged.release(pool, jnp.array([1]))
+    steps, lens = block_steps(pool, jnp.array([0, -1, -1, -1]), budgets, 16)
+    assert int(steps) == 13
+    np.testing.assert_array_equal(np.asarray(lens), [16, 0, 0, 0])
+    steps, _ = block_steps(pool, jnp.array([0, -1, -1, -1]), budgets, 4)
+    assert int(steps) == 4
+
+
+def test_rows_stopping_mid_block_give_back_the_pages_reserved_for_them():
+    """A block reserves its steps' pages before it runs them; a row that stops at a stop token
+    mid-block holds, after the block, exactly the tokens it cached, and the pool exactly the
+    pages those need (as steps run one at a time leave it)."""
+    refs = _reference("xla", False)
+    # Row 0 stops at the first occurrence of its 4th token: mid-block, after the prefill step
+    # sampled its first token.
+    stop = refs[0].output[3]
+    end = refs[0].output.index(stop)
+    params = [dataclasses.replace(GREEDY[0], stop_token_ids=(stop,)), *GREEDY[1:]]
+    engine = _engine("xla", decode_steps=8, overlap=False)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+    while any(s.num_cached < len(s.tokens) - 1 for s in seqs):
+        engine.step()
+    engine.sync()
+    rows = [s for s in seqs if not s.finished]
+    assert seqs[0] in rows
+    remaining = end + 1 - len(seqs[0].output)  # tokens to the stop token, which it keeps
+    assert 1 <= remaining < 8
+    before = np.asarray(engine.pool.kv_lens).copy()
+    out = jax.device_get(engine._launch_block(engine._block_inputs(rows)))
+    pool = jax.device_get(engine.pool)
+    assert out.ok and int(out.steps) == 8
+    assert out.counts[0] == remaining  # row 0 stopped mid-block
+    for i, seq in enumerate(rows):
+        assert pool.kv_lens[seq.slot] == before[seq.slot] + out.counts[i], seq.id
+        assert pool.num_owned[seq.slot] == -(-pool.kv_lens[seq.slot] // PAGE)
+    held = np.concatenate([pool.page_indices[s, :n] for s, n in enumerate(pool.num_owned)])
+    np.testing.assert_array_equal(pool.refcount, np.bincount(held, minlength=pool.num_pages))
+
+
 def test_blocks_on_a_small_pool_pause_and_preempt_without_corruption():
     """Sixteen requests need far more pages than the pool's 12; blocks stop before a step the
     pool cannot hold, sequences get preempted and recomputed, and after every block the pool is
@@ -164,7 +216,7 @@ def test_blocks_on_a_small_pool_pause_and_preempt_without_corruption():
 
 
 def test_blocks_recover_when_the_scheduler_overbooks_the_pool():
-    """With a scheduler that believes the pool is endless, only the in-loop reservations stop
+    """With a scheduler that believes the pool is endless, only the blocks' reservations stop
     blocks; the engine preempts and retries, and the results are still right."""
     prompts = [_prompt(n, 200 + n) for n in (30, 50, 12, 61, 44, 7)]
     params = [SamplingParams(20) for _ in prompts]

@@ -35,6 +35,23 @@ reserve_op = st.tuples(
 release_op = st.tuples(st.just("release"), seq_ids)
 
 
+def truncate_op(lens) -> st.SearchStrategy:
+    """Truncations of any ids to any lengths (negative ones too), and of the active slots to
+    lengths they hold (mid-page and page-aligned alike), which are valid unless the new last
+    page is shared."""
+    any_truncate = st.tuples(
+        st.just("truncate"), seq_ids, st.lists(st.integers(-1, CAPACITY), min_size=N, max_size=N)
+    )
+    active = [s for s, n in enumerate(lens) if n]
+    if not active:
+        return any_truncate
+    held = st.sampled_from(active).flatmap(lambda s: st.tuples(st.just(s), st.integers(0, lens[s])))
+    rows = st.lists(held, min_size=1, max_size=N).map(
+        lambda r: ([s for s, _ in r] + [-1] * (N - len(r)), [n for _, n in r] + [0] * (N - len(r)))
+    )
+    return st.one_of(any_truncate, rows.map(lambda r: ("truncate", *r)))
+
+
 def fork_op(lens) -> st.SearchStrategy:
     """Forks of any ids (-1 to len(lens)), and forks likely to be valid given the slots'
     lengths `lens`: of an active source into distinct empty slots (most of the others are
@@ -188,6 +205,28 @@ class Model:
         self.lens = want
         return True
 
+    def truncate(self, ids, new_lens) -> bool:
+        want, valid = list(self.lens), True
+        for s, n in zip(ids, new_lens, strict=True):
+            if s < 0:
+                continue
+            valid &= s < MAX_SEQS and 0 <= n <= (self.lens[s] if s < MAX_SEQS else 0)
+            if s < MAX_SEQS:
+                want[s] = min(want[s], n)
+        if not valid:
+            return False
+        holders = collections.Counter(self.retained)
+        for row in self.rows:
+            holders.update(row)
+        for s, (w, n) in enumerate(zip(want, self.lens, strict=True)):
+            # The next token would land in the new last page: refused if others hold it.
+            if w < n and w % PAGE_SIZE and holders[self.rows[s][_pages(w) - 1]] > 1:
+                return False
+        for s, w in enumerate(want):
+            del self.rows[s][_pages(w) :]
+        self.lens = want
+        return True
+
     def fork(self, src, dsts) -> bool:
         live = [d for d in dsts if d >= 0]
         valid = (
@@ -255,6 +294,7 @@ def test_pool_matches_model(data):
         op = data.draw(
             st.one_of(
                 reserve_op,
+                truncate_op(model.lens),
                 fork_op(model.lens),
                 release_op,
                 retain_op(model),
@@ -263,12 +303,12 @@ def test_pool_matches_model(data):
             )
         )
         before = jax.tree.map(np.array, pool)
-        if op[0] == "reserve":
+        if op[0] in ("reserve", "truncate"):
             _, ids, new_lens = op
-            pool, ok = jaxpaged.reserve(
+            pool, ok = getattr(jaxpaged, op[0])(
                 pool, jnp.array(ids, jnp.int32), jnp.array(new_lens, jnp.int32)
             )
-            assert bool(ok) == model.reserve(ids, new_lens)
+            assert bool(ok) == getattr(model, op[0])(ids, new_lens)
         elif op[0] == "fork":
             _, src, dsts = op
             pool, ok, copies = jaxpaged.fork(pool, jnp.int32(src), jnp.array(dsts, jnp.int32))
@@ -561,6 +601,37 @@ def test_exhaustion_is_all_or_nothing():
     assert ok and int(jaxpaged.num_free_pages(pool)) == 0
 
 
+def test_truncate_gives_back_the_pages_past_the_new_end_but_never_a_shared_last_page():
+    pool = jaxpaged.create_pool(8, 4, 3, 4)
+    pool, _ = jaxpaged.reserve(pool, jnp.array([0]), jnp.array([9]))  # 3 pages
+    pool, ok, _ = jaxpaged.fork(pool, jnp.int32(0), jnp.array([1]))  # shares 2, copies 1
+    assert ok and int(jaxpaged.num_free_pages(pool)) == 4
+    before = jax.tree.map(np.array, pool)
+    # Slot 0 ending at 6 tokens would write its next token into page 1, which slot 1 holds.
+    pool, ok = jaxpaged.truncate(pool, jnp.array([0]), jnp.array([6]))
+    assert not ok
+    _assert_unchanged(pool, before)
+    # A longer length than the slot holds is refused too: truncate never grows.
+    pool, ok = jaxpaged.truncate(pool, jnp.array([1]), jnp.array([10]))
+    assert not ok
+    _assert_unchanged(pool, before)
+    # Both ending inside page 0, which they share, is refused; ending on a page boundary is
+    # fine: the next token goes to a fresh page. A repeated slot takes its smaller length.
+    pool, ok = jaxpaged.truncate(pool, jnp.array([0, 1]), jnp.array([4, 3]))
+    assert not ok
+    _assert_unchanged(pool, before)
+    pool, ok = jaxpaged.truncate(pool, jnp.array([0, 1, 0]), jnp.array([8, 8, 4]))
+    assert ok
+    np.testing.assert_array_equal(np.asarray(pool.kv_lens), [4, 8, 0])
+    np.testing.assert_array_equal(np.asarray(pool.num_owned), [1, 2, 0])
+    # Page 0 is still shared, page 1 now slot 1's alone; slot 0's pages 1-2 and slot 1's copy
+    # of the last page went back.
+    table = np.asarray(pool.page_indices)
+    assert int(pool.refcount[table[0, 0]]) == 2 and int(pool.refcount[table[1, 1]]) == 1
+    assert int(jaxpaged.num_free_pages(pool)) == 6
+    assert (table[0, 1:] == -1).all() and (table[1, 2:] == -1).all()
+
+
 def test_batch_metadata_pads_unknown_slots():
     pool = jaxpaged.create_pool(8, 4, 2, 3)
     pool, _ = jaxpaged.reserve(pool, jnp.array([1]), jnp.array([6]))
@@ -574,6 +645,7 @@ def test_pool_is_donated():
     pool = jaxpaged.create_pool(8, 4, 2, 3)
     args = {
         jaxpaged.reserve: (jnp.array([0]), jnp.array([5])),
+        jaxpaged.truncate: (jnp.array([0]), jnp.array([0])),
         jaxpaged.fork: (jnp.int32(0), jnp.array([1])),
         jaxpaged.release: (jnp.array([0]),),
         jaxpaged.attach: (jnp.array([1]), jnp.zeros((1, 3), jnp.int32), jnp.array([4])),
