@@ -112,6 +112,97 @@ def stream_k_matmul(x, w, num_programs: int, stages: int = 4):
     )(x, w)
 
 
+def stream_k_swap_ab(
+    x, w, num_programs: int, *, tile_n: int = 64, tile_k: int = 64, stages: int = 6
+):
+    """The same walk with the operands swapped for few rows: `wgmma` computes out^T, the
+    weights' [tile_k, tile_n] tile (transposed) as A (its M = tile_n output columns) and x's
+    [rows, tile_k] tile (transposed) as B (N = rows, a multiple of 8), so that rows need no
+    padding to 64. Partials f32[P, segments, tile_n, rows]: out^T of each tile a share touches."""
+    rows = -(-x.shape[0] // 8) * 8  # the block: rows past x's are read as zeros (TMA)
+    k, n = w.shape
+    k_steps, total = k // tile_k, (n // tile_n) * (k // tile_k)
+    max_count = -(-total // num_programs)
+    segments = -(-max_count // k_steps) + 1
+
+    def body(x_ref, w_ref, out_ref, o_smem):
+        p = lax.axis_index("program")
+        first = p * total // num_programs
+        count = (p + 1) * total // num_programs - first
+
+        def it(i):
+            return first + jnp.minimum(i, count - 1)
+
+        def step(indices, x_smem, w_smem, carry):
+            (i,) = indices
+            acc, seg = carry
+            g = it(i)
+            live = i < count
+
+            def mma(acc_ref):
+                plgpu.wgmma(
+                    acc_ref,
+                    plgpu.transpose_ref(w_smem, (1, 0)),
+                    plgpu.transpose_ref(x_smem, (1, 0)),
+                )
+
+            col = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA)
+            acc = jnp.where(
+                col < jnp.where(live, tile_n, 0), pl.run_state(mma)(plgpu.ACC.init(acc)), acc
+            )
+            ends = live & ((lax.rem(g, k_steps) == k_steps - 1) | (i == count - 1))
+
+            @pl.when(ends)
+            def _():
+                o_smem[...] = acc
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[p, seg])
+                plgpu.wait_smem_to_gmem(0)
+
+            acc = jnp.where(col < jnp.where(ends, 0, tile_n), acc, jnp.zeros_like(acc))
+            return acc, seg + ends.astype(jnp.int32)
+
+        acc0 = plgpu.layout_cast(jnp.zeros((tile_n, rows), jnp.float32), plgpu.Layout.WGMMA)
+        plgpu.emit_pipeline(
+            step,
+            grid=(max_count,),
+            in_specs=[
+                plgpu.BlockSpec(
+                    (rows, tile_k), lambda i: (0, lax.rem(it(i), k_steps)), transforms=TRANSFORMS
+                ),
+                plgpu.BlockSpec(
+                    (tile_k, tile_n),
+                    lambda i: (lax.rem(it(i), k_steps), it(i) // k_steps),
+                    transforms=TRANSFORMS,
+                ),
+            ],
+            max_concurrent_steps=stages,
+            init_carry=(acc0, jnp.int32(0)),
+        )(x_ref, w_ref)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_programs, segments, tile_n, rows), jnp.float32),
+        grid=(num_programs,),
+        grid_names=("program",),
+        scratch_types=(plgpu.SMEM((tile_n, rows), jnp.float32),),
+    )(x, w)
+
+
+def fix_up_swap(partials, k, n, num_programs, *, tile_n, tile_k) -> np.ndarray:
+    """The product [rows, n] from `stream_k_swap_ab`'s partials (host, for the check)."""
+    k_steps, total = k // tile_k, (n // tile_n) * (k // tile_k)
+    rows = partials.shape[-1]
+    out = np.zeros((rows, n), np.float32)
+    for p in range(num_programs):
+        first = p * total // num_programs
+        count = (p + 1) * total // num_programs - first
+        tiles = sorted({g // k_steps for g in range(first, first + count)})
+        for seg, t in enumerate(tiles):
+            out[:, t * tile_n : (t + 1) * tile_n] += partials[p, seg].T
+    return out
+
+
 def fix_up(partials, k: int, n: int, num_programs: int) -> np.ndarray:
     """The product from the partials (host): each program's segments added to their tiles."""
     k_steps = k // TILE_K
@@ -128,7 +219,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    parser.add_argument("--stages", type=int, nargs="+", default=[4, 6])
+    parser.add_argument("--rows", type=int, nargs="+", default=[2, 16, 64])
+    parser.add_argument(
+        "--swap", nargs="+", default=["64,64,8", "64,128,4"], help="tile_n,tile_k,stages"
+    )
+    parser.add_argument("--stages", type=int, nargs="+", default=[4], help="the M=64 walk")
     args = parser.parse_args()
     num_programs = device_num_sms()
     cases = []
@@ -136,29 +231,51 @@ def main():
         k, n = SHAPES[shape]
         keys = jax.random.split(jax.random.key(0), LAYERS)
         ws = [0.02 * jax.random.normal(kk, (k, n), jnp.bfloat16) for kk in keys]
-        x = jax.random.normal(jax.random.key(1), (ROWS, k), jnp.bfloat16)
         nbytes = k * n * 2
-        variants = [("xla", jnp.matmul)] + [
-            (
-                f"stream-k stages={s}",
-                functools.partial(stream_k_matmul, num_programs=num_programs, stages=s),
-            )
-            for s in args.stages
-        ]
-        for name, fn in variants:
-            case = dict(shape=shape, impl=name, rows=ROWS)
-            try:
-                layered = jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws])
-                case["us"] = kernel_time_ms(layered, x, ws) * 1e3 / LAYERS
-                case["tb_s"] = nbytes / case["us"] / 1e6
-                if name != "xla":
-                    got = fix_up(np.asarray(fn(x, ws[0])), k, n, num_programs)
-                    want = np.asarray((x @ ws[0]).astype(jnp.float32))
-                    case["max_err"] = float(np.max(np.abs(got - want)))
-            except Exception as e:  # noqa: BLE001 - a probe records and goes on
-                case["error"] = error_text(e)
-            print(json.dumps(case), flush=True)
-            cases.append(case)
+        for rows in args.rows:
+            x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
+            variants = [("xla", jnp.matmul, None)]
+            if rows == ROWS:
+                variants += [
+                    (
+                        f"stream-k stages={s}",
+                        functools.partial(stream_k_matmul, num_programs=num_programs, stages=s),
+                        lambda got, k=k, n=n: fix_up(got, k, n, num_programs),
+                    )
+                    for s in args.stages
+                ]
+            for spec in args.swap:
+                tn, tk, s = map(int, spec.split(","))
+                variants.append(
+                    (
+                        f"swap-ab tile_n={tn} tile_k={tk} stages={s}",
+                        functools.partial(
+                            stream_k_swap_ab,
+                            num_programs=num_programs,
+                            tile_n=tn,
+                            tile_k=tk,
+                            stages=s,
+                        ),
+                        lambda got, k=k, n=n, tn=tn, tk=tk: fix_up_swap(
+                            got, k, n, num_programs, tile_n=tn, tile_k=tk
+                        ),
+                    )
+                )
+            for name, fn, fix in variants:
+                case = dict(shape=shape, impl=name, rows=rows)
+                try:
+                    layered = jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws])
+                    case["us"] = kernel_time_ms(layered, x, ws) * 1e3 / LAYERS
+                    case["tb_s"] = nbytes / case["us"] / 1e6
+                    if fix is not None:
+                        got = fix(np.asarray(fn(x, ws[0])))[:rows]
+                        want = np.asarray(jnp.dot(x, ws[0], preferred_element_type=jnp.float32))
+                        case["max_err"] = float(np.max(np.abs(got - want)))
+                        case["max_ref"] = float(np.max(np.abs(want)))
+                except Exception as e:  # noqa: BLE001 - a probe records and goes on
+                    case["error"] = error_text(e)
+                print(json.dumps(case), flush=True)
+                cases.append(case)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment(), probe="stream_k", cases=cases), f, indent=1)
