@@ -151,7 +151,7 @@ def _dense_layer(layer, x, k_cache, v_cache, positions, kv_lens, *, prefill: boo
     attn = layer.attn
     batch, num_tokens, hidden = x.shape
     h = layer.input_norm(x).reshape(batch * num_tokens, hidden)
-    q, k, v = attn.project(h, positions.reshape(-1), implementation="xla")
+    q, k, v = attn.project(h, positions.reshape(-1))
     q = q.reshape(batch, num_tokens, -1, attn.head_dim)
     k, v = (a.reshape(batch, num_tokens, -1, attn.head_dim) for a in (k, v))
     rows = jnp.arange(batch)[:, None]
@@ -164,8 +164,7 @@ def _dense_layer(layer, x, k_cache, v_cache, positions, kv_lens, *, prefill: boo
             q, k_cache, v_cache, key_value_seq_lengths=kv_lens, implementation="xla"
         )
     x = x + attn.o_proj(out.reshape(batch, num_tokens, -1))
-    mlp = layer.mlp(layer.post_attention_norm(x).reshape(-1, hidden), implementation="xla")
-    return x + mlp.reshape(x.shape), k_cache, v_cache
+    return x + layer.mlp(layer.post_attention_norm(x)), k_cache, v_cache
 
 
 def _dense_step(graphdef, params, caches, tokens, start, *, prefill):

@@ -18,8 +18,7 @@ State: PagePool with create_pool / reserve / truncate / fork / attach / release 
   (pages held without a slot, as a prefix cache holds them); validate_fork checks a fork on
   the host.
 Layer: PagedAttention (Flax NNX, GQA + RoPE over one layer's pages) with StepMetadata and
-  RopeScaling; linear / apply_linear (a projection, or SwiGLU over fuse_gate_up's blocks: the
-  Mosaic GPU kernel on decode batches on Hopper).
+  RopeScaling.
 """
 
 from jaxpaged.attention import (
@@ -38,16 +37,11 @@ from jaxpaged.layers import (
     RopeScaling,
     StepMetadata,
     add_rms_norm,
-    apply_linear,
     apply_rope,
-    fuse_gate_up,
     fuse_qkv,
-    gate_up_block,
-    linear,
     rms_norm,
     rope_append,
     rope_frequencies,
-    split_gate_up,
     split_qkv,
     tensor_parallel_size,
 )
@@ -84,11 +78,6 @@ __all__ = [
     "RopeScaling",
     "StepMetadata",
     "add_rms_norm",
-    "apply_linear",
-    "fuse_gate_up",
-    "gate_up_block",
-    "linear",
-    "split_gate_up",
     "rms_norm",
     "rope_append",
     "append_kv",

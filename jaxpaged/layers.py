@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -249,135 +248,6 @@ def add_rms_norm(
     return total, rms_norm(total, scale, eps)
 
 
-# Columns of a gate / up block in `fuse_gate_up`: the Mosaic projection kernel's tile
-# (`pallas_kernels.mosaic.projection.TILE_N`), which writes SwiGLU of a block pair itself.
-GATE_UP_BLOCK = 64
-MAX_TENSOR_PARALLEL = 8  # the devices a split of the MLP's columns keeps whole blocks over
-
-
-def gate_up_block(intermediate_size: int) -> int:
-    """The columns of each gate / up block of a fused SwiGLU matrix: the largest divisor of
-    `GATE_UP_BLOCK` that divides `intermediate_size / tp` for every tp dividing
-    `MAX_TENSOR_PARALLEL` (so that tensor parallelism hands every device whole block pairs);
-    64 for the sizes of common checkpoints (a multiple of 512)."""
-    per_device = intermediate_size
-    if intermediate_size % MAX_TENSOR_PARALLEL == 0:
-        per_device = intermediate_size // MAX_TENSOR_PARALLEL
-    return math.gcd(GATE_UP_BLOCK, per_device)
-
-
-def fuse_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """Gate and up kernels [hidden, I] -> one [hidden, 2 I]: blocks of `gate_up_block(I)`
-    columns, gate block j then up block j. One matmul reads x once, a tile of the projection
-    kernel holds a block of each (it writes `silu(gate) * up` itself), and any split of the
-    columns into equal contiguous parts of whole block pairs (tensor parallelism) holds
-    matching gate and up columns."""
-    block = gate_up_block(gate.shape[-1])
-    pairs = jnp.stack(
-        [gate.reshape(*gate.shape[:-1], -1, block), up.reshape(*up.shape[:-1], -1, block)],
-        axis=-2,
-    )
-    return pairs.reshape(*gate.shape[:-1], -1)
-
-
-def split_gate_up(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The inverse of `fuse_gate_up` (also of its product: [..., 2 I] -> two [..., I])."""
-    intermediate = kernel.shape[-1] // 2
-    block = gate_up_block(intermediate)
-    pairs = kernel.reshape(*kernel.shape[:-1], -1, 2, block)
-    shape = (*kernel.shape[:-1], intermediate)
-    return pairs[..., 0, :].reshape(shape), pairs[..., 1, :].reshape(shape)
-
-
-def linear(
-    x: jax.Array,
-    w: jax.Array,
-    *,
-    activation: str | None = None,
-    precision: jax.lax.PrecisionLike = None,
-    implementation: str | None = None,
-) -> jax.Array:
-    """A projection `x @ w` (float32 accumulation, rounded to x's dtype), or SwiGLU of it.
-
-    Args:
-      x: [T, K]; w: [K, N] of x's dtype.
-      activation: None, or "swiglu": w is `fuse_gate_up`'s [K, 2 I] and the result
-        `silu(x @ gate) * (x @ up)` [T, I].
-      precision: of XLA's dot (as `nnx.Linear`'s).
-      implementation: "xla" (and "triton", which has no kernel of its own for it) XLA's dot;
-        None or "mosaic": on Hopper, the Mosaic GPU kernel for decode batches (T <= 64 rows,
-        16-bit, SwiGLU in blocks of `GATE_UP_BLOCK`:
-        `pallas_kernels.mosaic.projection`); other calls run XLA's dot.
-
-    Returns:
-      [T, N] (SwiGLU: [T, N / 2]) in x's dtype.
-    """
-    if activation not in (None, "swiglu"):
-        raise ValueError(f"activation must be one of (None, 'swiglu'); got {activation!r}")
-    if x.ndim != 2:
-        raise ValueError(f"x must be [T, K]; got {list(x.shape)}")
-    if w.ndim != 2 or w.shape[0] != x.shape[1] or w.dtype != x.dtype:
-        raise ValueError(
-            f"w must be [K={x.shape[1]}, N] of x's dtype {x.dtype}; got {w.dtype}{list(w.shape)}"
-        )
-    if activation == "swiglu" and w.shape[1] % 2:
-        raise ValueError(f"SwiGLU's w must have a multiple of 2 columns (gate, up); got {w.shape}")
-    if _use_projection_kernel(x, w, activation, precision, implementation):
-        from pallas_kernels.mosaic import projection  # noqa: PLC0415
-
-        return projection.projection(x, w, activation=activation)
-    y = jnp.dot(x, w, precision=precision)
-    if activation == "swiglu":
-        gate, up = split_gate_up(y)
-        y = jax.nn.silu(gate) * up
-    return y
-
-
-def apply_linear(
-    module: nnx.Linear,
-    x: jax.Array,
-    *,
-    activation: str | None = None,
-    implementation: str | None = None,
-) -> jax.Array:
-    """`module(x)` through `linear` (its kernel on decode batches), the bias added after."""
-    kernel = module.kernel[...]
-    dtype = module.dtype or jnp.result_type(x, kernel)
-    if module.bias is not None and activation is not None:
-        raise ValueError("apply_linear adds the bias after the activation: pass none")
-    y = linear(
-        x.astype(dtype),
-        kernel.astype(dtype),
-        activation=activation,
-        precision=module.precision,
-        implementation=implementation,
-    )
-    if module.bias is not None:
-        y = y + module.bias[...].astype(y.dtype)
-    return y
-
-
-def _use_projection_kernel(x, w, activation, precision, implementation) -> bool:
-    """Whether `linear` runs the Mosaic GPU kernel: None or "mosaic", on one Hopper GPU (a
-    custom call is not partitioned: tensor parallelism runs XLA's dot), for shapes it takes at
-    the default precision."""
-    if implementation not in (None, "xla", "triton", "mosaic"):
-        raise ValueError(f"unknown implementation {implementation!r}")
-    if implementation not in (None, "mosaic") or precision not in (None, "default"):
-        return False
-    if tensor_parallel_size() > 1:
-        return False
-    device = jax.devices()[0]
-    if device.platform != "gpu" or not str(getattr(device, "compute_capability", "")).startswith(
-        "9"
-    ):
-        return False
-    from pallas_kernels.mosaic import projection  # noqa: PLC0415
-
-    swiglu_blocks = activation != "swiglu" or gate_up_block(w.shape[1] // 2) == projection.TILE_N
-    return swiglu_blocks and projection.supported(x.shape, w.shape, x.dtype, activation)
-
-
 def _use_kernel(implementation: str | None) -> bool:
     """Whether `rope_append` and `add_rms_norm` run their Pallas kernel (Triton lowering):
     "triton" anywhere (interpret mode off-GPU), None or "mosaic" on a GPU; "xla" never."""
@@ -583,7 +453,7 @@ class PagedAttention(nnx.Module):
         tp = tensor_parallel_size()
         if tp == 1 and meta.kv_slots is not None:
             q, k_pages, v_pages = rope_append(
-                self._qkv(x, implementation),
+                self._qkv(x),
                 meta.positions,
                 k_pages,
                 v_pages,
@@ -596,11 +466,9 @@ class PagedAttention(nnx.Module):
                 implementation=implementation,
             )
             out, k_pages, v_pages = attend(q, None, None, k_pages, v_pages, meta)
-            out = apply_linear(
-                self.o_proj, out.reshape(num_tokens, -1), implementation=implementation
-            )
+            out = self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
             return out, k_pages, v_pages
-        q, k, v = self.project(x, meta.positions, implementation=implementation)
+        q, k, v = self.project(x, meta.positions)
         q, k, v = q.astype(k_pages.dtype), k.astype(k_pages.dtype), v.astype(v_pages.dtype)
         if tp > 1:
             if self.num_kv_heads % tp:
@@ -617,22 +485,19 @@ class PagedAttention(nnx.Module):
                 check_vma=False,
             )
         out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, meta)
-        out = apply_linear(self.o_proj, out.reshape(num_tokens, -1), implementation=implementation)
+        out = self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
         return out, k_pages, v_pages
 
-    def _qkv(self, x: jax.Array, implementation: str | None = None) -> jax.Array:
+    def _qkv(self, x: jax.Array) -> jax.Array:
         """x [T, hidden] -> the projection [T, Hkv, G + 2, D] (`fuse_qkv`'s order)."""
         group = self.num_q_heads // self.num_kv_heads
-        qkv = apply_linear(self.qkv_proj, x, implementation=implementation)
-        return qkv.reshape(x.shape[0], self.num_kv_heads, group + 2, self.head_dim)
+        return self.qkv_proj(x).reshape(x.shape[0], self.num_kv_heads, group + 2, self.head_dim)
 
-    def project(
-        self, x: jax.Array, positions: jax.Array, *, implementation: str | None = None
-    ) -> tuple[jax.Array, ...]:
+    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """x [T, hidden] at positions i32[T] -> rotated q [T, Hq, D], rotated k and v
-        [T, Hkv, D], in the layer's dtype; `implementation` as `jaxpaged.linear`'s."""
+        [T, Hkv, D], in the layer's dtype."""
         group = self.num_q_heads // self.num_kv_heads
-        qkv = self._qkv(x, implementation)
+        qkv = self._qkv(x)
         q = qkv[:, :, :group].reshape(x.shape[0], self.num_q_heads, self.head_dim)
         k, v = qkv[:, :, group], qkv[:, :, group + 1]
         if self.q_norm is not None:

@@ -9,7 +9,7 @@ Architectures: `LlamaForCausalLM` (with Llama 3.1 / 3.2 `rope_scaling` of type "
 `MistralForCausalLM` (sliding window). Weights come from `model.safetensors` or from the shards
 a `model.safetensors.index.json` names, one tensor at a time: each is read, moved to the device
 and fused there (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, in the layouts of
-`jaxpaged.fuse_qkv` and `jaxpaged.fuse_gate_up`, transposed to [in, out]),
+`jaxpaged.fuse_qkv` and `models.decoder.fuse_gate_up`, transposed to [in, out]),
 so the host never holds more than one layer's tensors beside the device copy.
 
 Every problem raises `CheckpointError` (a `ValueError`) naming the file and the rule: an unknown
@@ -34,10 +34,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged import RopeScaling, fuse_qkv
-from jaxpaged.layers import fuse_gate_up
 from models import parallel
 from models.config import ModelConfig
-from models.decoder import Decoder
+from models.decoder import Decoder, fuse_gate_up
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

@@ -11,10 +11,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxpaged
-from jaxpaged.layers import apply_linear
 from models.config import ModelConfig
 
 KVPages = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages) [P, page_size, Hkv, D]
+
+
+def fuse_gate_up(gate, up) -> jax.Array:
+    """Gate and up kernels [hidden, I] -> one [hidden, 2 I] with their columns interleaved
+    (gate_0, up_0, gate_1, ...): one matmul, and any split of the columns into equal contiguous
+    parts (tensor parallelism) holds matching gate and up columns."""
+    return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+
+
+def split_gate_up(kernel) -> tuple[jax.Array, jax.Array]:
+    """The inverse of `fuse_gate_up`."""
+    pairs = kernel.reshape(*kernel.shape[:-1], -1, 2)
+    return pairs[..., 0], pairs[..., 1]
 
 
 class MLP(nnx.Module):
@@ -33,10 +45,9 @@ class MLP(nnx.Module):
         self.gate_up_proj = linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = linear(config.intermediate_size, config.hidden_size)
 
-    def __call__(self, x: jax.Array, *, implementation: str | None = None) -> jax.Array:
-        """x [T, hidden] -> [T, hidden]; `implementation` as `jaxpaged.linear`'s."""
-        h = apply_linear(self.gate_up_proj, x, activation="swiglu", implementation=implementation)
-        return apply_linear(self.down_proj, h, implementation=implementation)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, up = split_gate_up(self.gate_up_proj(x))
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -77,7 +88,7 @@ class DecoderLayer(nnx.Module):
             normed, k_pages, v_pages, meta, implementation=implementation
         )
         x, normed = _add_norm(x, h, self.post_attention_norm, implementation)
-        return x, self.mlp(normed, implementation=implementation), k_pages, v_pages
+        return x, self.mlp(normed), k_pages, v_pages
 
 
 def _add_norm(x, h, norm: nnx.RMSNorm, implementation) -> tuple[jax.Array, jax.Array]:

@@ -5,11 +5,10 @@ and MLP columns over devices (Megatron-style).
     engine = Engine(model, config, mesh=mesh)
 
 Column-parallel: `qkv_proj` (KV-group-major, so each device holds whole GQA groups) and
-`gate_up_proj` (gate / up in blocks, `jaxpaged.fuse_gate_up`); row-parallel: `o_proj` and
-`down_proj`, whose partial sums XLA all-reduces (one all-reduce each per layer). KV pages are
-split by KV head; the embedding, norms, output head, page pool and step inputs are
-replicated. The attention op and the K/V append run per device inside `shard_map`
-(`jaxpaged.PagedAttention`).
+`gate_up_proj` (gate/up interleaved); row-parallel: `o_proj` and `down_proj`, whose partial
+sums XLA all-reduces (one all-reduce each per layer). KV pages are split by KV head; the
+embedding, norms, output head, page pool and step inputs are replicated. The attention op
+and the K/V append run per device inside `shard_map` (`jaxpaged.PagedAttention`).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged import TP_AXIS, gate_up_block
+from jaxpaged import TP_AXIS
 from models.config import ModelConfig
 
 # Parameter path suffix -> how it is split (anything else is replicated).
@@ -56,13 +55,6 @@ def check_divisible(config: ModelConfig, mesh: Mesh) -> None:
             raise ValueError(
                 f"{name} {value} must be a multiple of the {TP_AXIS!r} mesh axis ({tp} devices)"
             )
-    block = gate_up_block(config.intermediate_size)
-    if (config.intermediate_size // tp) % block:
-        raise ValueError(
-            f"intermediate_size / tp ({config.intermediate_size} / {tp}) must be a multiple of "
-            f"the gate / up block ({block} columns, `jaxpaged.fuse_gate_up`): each device holds "
-            "whole block pairs"
-        )
 
 
 def param_sharding(path: tuple, mesh: Mesh) -> NamedSharding:
