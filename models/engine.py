@@ -247,7 +247,7 @@ def model_step(
     `pool` donated: they come back updated in place. A decode step with `shared_prefix` reads
     the first pages that sequences share once per group. `conditionals_in_graph`: the step's
     XLA options put conditionals in command buffers; without, sampling takes no `lax.cond`
-    (`sample`'s `skip_sort`), which the host would wait at. `ahead`: the step may be enqueued
+    (`sample`'s `conditionals`), which the host would wait at. `ahead`: the step may be enqueued
     before the one before it is read: it checks `inputs.num_cached` against the pool and
     returns its page table (else `page_table` is None). `prompt_only`: the step's chunks are
     prompt chunks short of their prompts' ends, so it samples nothing: no vocabulary
@@ -281,7 +281,7 @@ def model_step(
         logits = row_logits = model.logits(hidden[last])
     rows = inputs.sample_rows
     tokens, logprobs = sample(
-        row_logits[rows], inputs.sampling, meta.kv_lens[rows], skip_sort=conditionals_in_graph
+        row_logits[rows], inputs.sampling, meta.kv_lens[rows], conditionals=conditionals_in_graph
     )
     outputs = StepOutputs(tokens, logprobs, ok, logits, _uses_shared_prefix(meta), page_table)
     return kv_pages, pool, outputs

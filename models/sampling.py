@@ -54,34 +54,43 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 
 
 def sample(
-    logits: jax.Array, params: SamplingArrays, positions: jax.Array, *, skip_sort: bool = True
+    logits: jax.Array, params: SamplingArrays, positions: jax.Array, *, conditionals: bool = True
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row: argmax where the temperature is 0, else a categorical sample of the
     filtered, temperature-scaled logits.
 
     logits: f32[S, V]; positions: i32[S], the position of the token being sampled. Returns
     (tokens i32[S], logprobs f32[S]): the log-probabilities are those of the unfiltered model at
-    temperature 1. `skip_sort`: a `lax.cond` skips the filters' sort when no row filters
-    (tens of microseconds a step); False sorts always. Where XLA runs a conditional on the
-    host (outside command buffers), the host reads its predicate, so the call that launches
-    the step waits there for the GPU to reach it: such steps take False.
+    temperature 1. `conditionals`: one `lax.switch` skips the filters' sort when no row
+    filters (tens of microseconds a step), and the random draw too when no row samples (a
+    greedy batch); False computes both always. Where XLA runs a conditional on the host
+    (outside command buffers), the host reads its predicate, so the call that launches the
+    step waits there for the GPU to reach it: such steps take False.
     """
     temperatures = params.temperatures
     scaled = logits / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
     # Both ways give every row the same result (rows with top_k 0 and top_p 1 come back
-    # unchanged), so the choice depends on the batch but no sample does.
+    # unchanged, and rows at temperature 0 take the argmax), so the choice depends on the
+    # batch but no sample does.
     filters = (temperatures > 0) & ((params.top_k > 0) | (params.top_p < 1.0))
-    if skip_sort:
-        scaled = jax.lax.cond(
-            jnp.any(filters),
-            lambda x: filter_logits(x, params.top_k, params.top_p),
-            lambda x: x,
-            scaled,
+
+    def draw(x):
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
+            params.seeds, positions
         )
+        return jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+
+    def filter_and_draw(x):
+        return draw(filter_logits(x, params.top_k, params.top_p))
+
+    def greedy(x):
+        return jnp.zeros(x.shape[:1], jnp.int32)
+
+    if conditionals:  # a greedy batch (0), sampling without filters (1) or with them (2)
+        case = jnp.any(temperatures > 0).astype(jnp.int32) + jnp.any(filters).astype(jnp.int32)
+        sampled = jax.lax.switch(case, (greedy, draw, filter_and_draw), scaled)
     else:
-        scaled = filter_logits(scaled, params.top_k, params.top_p)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seeds, positions)
-    sampled = jax.vmap(jax.random.categorical)(keys, scaled)
+        sampled = filter_and_draw(scaled)
     tokens = jnp.where(temperatures > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs

@@ -81,16 +81,24 @@ def test_is_stop_ignores_padding_ids():
     np.testing.assert_array_equal(is_stop(jnp.array([5, 5, 9]), stop_ids), [True, False, True])
 
 
-@pytest.mark.parametrize("filtered", [False, True])
-def test_sampling_without_its_conditional_gives_the_same_tokens(filtered):
-    """`skip_sort=False` (steps whose XLA runs conditionals on the host) traces no `cond` and
-    samples what the conditional way samples, for rows that filter and rows that do not."""
+@pytest.mark.parametrize("temperature,filtered", [(0.8, False), (0.8, True), (0.0, True)])
+def test_sampling_without_its_conditionals_gives_the_same_tokens(temperature, filtered):
+    """`conditionals=False` (steps whose XLA runs conditionals on the host) traces no `cond`
+    and samples what the conditional way samples: for rows that filter and rows that do not,
+    and for a greedy batch, whose conditional skips the random draw. Half the rows of the
+    sampled batches are greedy."""
     rows = 8
     logits = jax.random.normal(jax.random.key(3), (rows, VOCAB)) * 2.0
-    params = _arrays(rows, 0.8, top_k=5 if filtered else 0, top_p=0.9 if filtered else 1.0)
+    params = _arrays(rows, temperature, top_k=5 if filtered else 0, top_p=0.9 if filtered else 1.0)
+    params = params._replace(temperatures=params.temperatures.at[::2].set(0.0))
     positions = jnp.arange(rows, dtype=jnp.int32) + 11
-    plain = jax.jit(lambda x: sample(x, params, positions, skip_sort=False))
+    plain = jax.jit(lambda x: sample(x, params, positions, conditionals=False))
     assert "cond" not in str(jax.make_jaxpr(plain)(logits))
     assert "cond" in str(jax.make_jaxpr(lambda x: sample(x, params, positions))(logits))
-    for got, want in zip(plain(logits), sample(logits, params, positions), strict=True):
-        np.testing.assert_array_equal(got, want)
+    got, want = plain(logits), sample(logits, params, positions)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    greedy = params.temperatures == 0
+    np.testing.assert_array_equal(got[0][greedy], jnp.argmax(logits, axis=-1)[greedy])
+    if temperature > 0:  # the draw ran: some sampled row leaves its argmax
+        assert (got[0][~greedy] != jnp.argmax(logits, axis=-1)[~greedy]).any()

@@ -10,7 +10,8 @@ Two warpgroups per program:
   (the `wgmma` M; rows past the group are discarded), runs `wgmma` for Q K^T and P V with a
   base-2 online softmax in between, releases each stage as soon as its product is done, and
   writes its group's rows straight into the final layout (`[S, Hq, D]`, or `[S, splits, Hq, D]`
-  partials).
+  partials). In a persistent program it copies the next item's Q tile as soon as the item's
+  last Q K^T has read the tile, so that the next item's first step does not wait for it.
 """
 
 from __future__ import annotations
@@ -214,14 +215,23 @@ def make_body(
             if not config.persistent:
                 plgpu.wait_smem_to_gmem(0)
 
-        def compute_item(kv_head, split, seq, valid, count):
-            """Attention of the item's query heads over its steps; returns the step count."""
-            kv_len, step0, num_steps = steps_of(split, seq, valid)
+        def copy_q(kv_head, seq):
             plgpu.copy_gmem_to_smem(
                 q_ref.at[seq, pl.ds(q_tile_start(kv_head, group), q_rows)],
                 q_smem.at[pl.ds(0, q_rows)],
                 q_barrier,
             )
+
+        def compute_item(kv_head, split, seq, valid, count, next_q=None):
+            """Attention of the item's query heads over its steps; returns the step count.
+
+            Without `next_q` the item copies its own Q tile first. A persistent program's
+            items find theirs copied already: `next_q()` copies the next item's as soon as
+            this one's last Q K^T has read the tile (or at once, for an item of no steps), so
+            the copy's latency hides behind the item's last P V and its output write."""
+            kv_len, step0, num_steps = steps_of(split, seq, valid)
+            if next_q is None:
+                copy_q(kv_head, seq)
             head_dim = q_smem.shape[-1]
             acc = plgpu.layout_cast(jnp.zeros((TILE_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
             row = plgpu.Layout.WGMMA.reduce(1)
@@ -229,6 +239,8 @@ def make_body(
             l = plgpu.layout_cast(jnp.zeros((TILE_M,), jnp.float32), row)
             with jax.named_scope("wait_q"):
                 plgpu.barrier_wait(q_barrier)
+            if next_q is not None:
+                pl.when(num_steps == 0)(next_q)
 
             def step(i, carry):
                 acc, m, l = carry
@@ -243,6 +255,8 @@ def make_body(
 
                 s = pl.run_scoped(qk, plgpu.ACC((TILE_M, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
+                if next_q is not None:
+                    pl.when(i == num_steps - 1)(next_q)
                 key = start + plgpu.broadcasted_iota(
                     jnp.int32, (TILE_M, block_kv), 1, layout=plgpu.Layout.WGMMA
                 )
@@ -278,14 +292,31 @@ def make_body(
             program = lax.axis_index("program")
             num_items = num_kv_heads * num_splits * num_seq_slots
 
-            def run(work):
-                """`work` on each of this program's items of the snake order."""
+            def item_at(k):
+                """(KV head, split, slot, valid) of the program's k-th item."""
+                index = snake_item(k, program, num_programs)
+                return *item_of(jnp.minimum(index, num_items - 1)), index < num_items
+
+            def run(work, prefetch_q=False):
+                """`work` on each of this program's items of the snake order; with
+                `prefetch_q`, the first item's Q tile copied before and every item's
+                `next_q` copying the next one's."""
+                if prefetch_q:
+                    kv_head, _, seq, _ = item_at(0)
+                    copy_q(kv_head, seq)
 
                 def item(k, count):
-                    index = snake_item(k, program, num_programs)
-                    valid = index < num_items
-                    kv_head, split, seq = item_of(jnp.minimum(index, num_items - 1))
-                    return work(kv_head, split, seq, valid, count)
+                    kv_head, split, seq, valid = item_at(k)
+                    if not prefetch_q:
+                        return work(kv_head, split, seq, valid, count)
+
+                    def next_q():
+                        @pl.when(k + 1 < items_per_program)
+                        def _copy():
+                            kv_head, _, seq, _ = item_at(k + 1)
+                            copy_q(kv_head, seq)
+
+                    return work(kv_head, split, seq, valid, count, next_q)
 
                 lax.fori_loop(0, items_per_program, item, jnp.int32(0))
 
@@ -294,8 +325,9 @@ def make_body(
                 lax.axis_index("split") + num_splits * lax.axis_index("seq")
             )
 
-            def run(work):
-                """`work` on this program's one item."""
+            def run(work, prefetch_q=False):
+                """`work` on this program's one item (which copies its own Q tile)."""
+                del prefetch_q
                 kv_head, split, seq = item_of(index)
                 work(kv_head, split, seq, None, jnp.int32(0))
 
@@ -313,7 +345,7 @@ def make_body(
         def _compute():
             if ordering == "kernel":
                 plgpu.barrier_wait(scratch.order_ready)
-            run(compute_item)
+            run(compute_item, prefetch_q=True)
             if config.persistent:  # one item per program waits in `write_output`
                 plgpu.wait_smem_to_gmem(0)
 
