@@ -8,6 +8,7 @@ runs, and after a preemption.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -62,35 +63,35 @@ def sample(
     logits: f32[S, V]; positions: i32[S], the position of the token being sampled. Returns
     (tokens i32[S], logprobs f32[S]): the log-probabilities are those of the unfiltered model at
     temperature 1. `conditionals`: one `lax.switch` skips the filters' sort when no row
-    filters (tens of microseconds a step), and the random draw too when no row samples (a
-    greedy batch); False computes both always. Where XLA runs a conditional on the host
-    (outside command buffers), the host reads its predicate, so the call that launches the
-    step waits there for the GPU to reach it: such steps take False.
+    filters (tens of microseconds a step), and the scaling by temperature and the random draw
+    too when no row samples (a greedy batch); False computes all of them always. Where XLA
+    runs a conditional on the host (outside command buffers), the host reads its predicate,
+    so the call that launches the step waits there for the GPU to reach it: such steps take
+    False.
     """
     temperatures = params.temperatures
-    scaled = logits / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
-    # Both ways give every row the same result (rows with top_k 0 and top_p 1 come back
-    # unchanged, and rows at temperature 0 take the argmax), so the choice depends on the
-    # batch but no sample does.
+    # Which branch runs depends on the batch but no row's sample does: rows with top_k 0 and
+    # top_p 1 come back from the filters unchanged, and rows at temperature 0 take the argmax.
     filters = (temperatures > 0) & ((params.top_k > 0) | (params.top_p < 1.0))
 
-    def draw(x):
+    def draw(x, *, filtered=False):
+        x = x / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
+        if filtered:
+            x = filter_logits(x, params.top_k, params.top_p)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
             params.seeds, positions
         )
         return jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
-
-    def filter_and_draw(x):
-        return draw(filter_logits(x, params.top_k, params.top_p))
 
     def greedy(x):
         return jnp.zeros(x.shape[:1], jnp.int32)
 
     if conditionals:  # a greedy batch (0), sampling without filters (1) or with them (2)
         case = jnp.any(temperatures > 0).astype(jnp.int32) + jnp.any(filters).astype(jnp.int32)
-        sampled = jax.lax.switch(case, (greedy, draw, filter_and_draw), scaled)
+        branches = (greedy, draw, functools.partial(draw, filtered=True))
+        sampled = jax.lax.switch(case, branches, logits)
     else:
-        sampled = filter_and_draw(scaled)
+        sampled = draw(logits, filtered=True)
     tokens = jnp.where(temperatures > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs

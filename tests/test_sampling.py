@@ -70,6 +70,24 @@ def test_samples_stay_in_the_filtered_set_and_follow_the_seed():
     assert not np.array_equal(moved, tokens)
 
 
+@pytest.mark.parametrize("conditionals", [True, False])
+def test_temperature_sharpens_and_flattens(conditionals):
+    """256 seeds over one row's logits: at temperature 1e-3 every sample is the argmax, at
+    100 the samples spread over most of the vocabulary (at 1 neither holds)."""
+    rows = 256
+    logits = jnp.tile(jax.random.normal(jax.random.key(4), (1, VOCAB)) * 2.0, (rows, 1))
+    positions = jnp.full(rows, 3, jnp.int32)
+
+    def tokens(temperature):
+        params = _arrays(rows, temperature)
+        return np.asarray(sample(logits, params, positions, conditionals=conditionals)[0])
+
+    assert (tokens(1e-3) == int(jnp.argmax(logits[0]))).all()
+    assert len(set(tokens(100.0).tolist())) > VOCAB // 2
+    at_one = tokens(1.0)
+    assert 1 < len(set(at_one.tolist())) <= VOCAB // 2
+
+
 def test_greedy_rows_take_the_argmax_whatever_the_filters():
     logits = jax.random.normal(jax.random.key(2), (4, VOCAB))
     tokens, _ = sample(logits, _arrays(4, 0.0, top_k=3, top_p=0.2), jnp.zeros(4, jnp.int32))
