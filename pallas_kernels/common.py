@@ -129,6 +129,18 @@ def online_softmax_step(
     return m_new, l_new, alpha, p
 
 
+def merge_online_states(a, b):
+    """The online-softmax state `(acc, m, l)` (`online_softmax_step`'s, base 2, acc [M, D]
+    unnormalized) of the keys of two states `a` and `b` together. Rows that neither has seen
+    a visible key in keep `m = -inf`, `l = 0` (never `exp(-inf + inf)` = NaN)."""
+    (acc_a, m_a, l_a), (acc_b, m_b, l_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    alpha_a, alpha_b = jnp.exp2(m_a - m_safe), jnp.exp2(m_b - m_safe)
+    acc = acc_a * alpha_a[:, None] + acc_b * alpha_b[:, None]
+    return acc, m, alpha_a * l_a + alpha_b * l_b
+
+
 def finalize(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Normalized output [M, D] and natural-log LSE [M] from the online-softmax state; rows that
     saw no visible key give 0 and -inf."""

@@ -119,3 +119,28 @@ def test_merge_states_matches_the_oracle(num_states):
     assert not np.isnan(np.asarray(out)).any()
     np.testing.assert_allclose(np.asarray(out), want_out, atol=ATOL[jnp.float32], rtol=0)
     np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-5, rtol=0)
+
+
+def test_merge_online_states_is_the_state_of_all_keys():
+    """Two online-softmax states over the two halves of the keys merge into the state over all
+    of them; a row that saw no visible key on one side, or on both, stays finite (NaN never
+    passes)."""
+    from pallas_kernels.common import merge_online_states, online_softmax_step
+
+    rng = np.random.default_rng(0)
+    logits2 = jnp.asarray(rng.normal(size=(4, 32)) * 3, jnp.float32)
+    v = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+    logits2 = logits2.at[1, :16].set(-jnp.inf).at[2, 16:].set(-jnp.inf).at[3].set(-jnp.inf)
+
+    def state(lo, hi):
+        m0 = jnp.full((4,), -jnp.inf)
+        m, l, alpha, p = online_softmax_step(m0, jnp.zeros((4,)), logits2[:, lo:hi])
+        return jnp.zeros((4, 8)) * alpha[:, None] + p @ v[lo:hi], m, l
+
+    acc, m, l = merge_online_states(state(0, 16), state(16, 32))
+    want_acc, want_m, want_l = state(0, 32)
+    assert not np.isnan(np.asarray(acc)).any()
+    np.testing.assert_allclose(m, want_m)
+    np.testing.assert_allclose(l, want_l, rtol=1e-6)
+    np.testing.assert_allclose(acc, want_acc, rtol=1e-5, atol=1e-6)
+    assert float(l[3]) == 0.0 and float(m[3]) == -np.inf

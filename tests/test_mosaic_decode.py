@@ -75,6 +75,14 @@ LOWERING_FEATURES = [
         num_splits=3,
         sliding_window=70,
     ),
+    dict(config=mosaic.MosaicDecodeConfig(compute_warpgroups=2)),
+    dict(
+        config=mosaic.MosaicDecodeConfig(
+            block_kv=64, num_stages=4, persistent=False, compute_warpgroups=2
+        ),
+        num_splits=3,
+        sliding_window=70,
+    ),
 ]
 
 
@@ -156,6 +164,8 @@ def test_interpret_is_refused():
         dict(block_kv=96),
         dict(block_kv=512),
         dict(num_stages=0),
+        dict(compute_warpgroups=3),
+        dict(compute_warpgroups=2, num_stages=3),
     ],
     ids=str,
 )
@@ -224,19 +234,23 @@ def test_persistent_grid_and_order():
 def test_persistent_only_past_one_item_per_sm(monkeypatch, seqs, num_splits, persistent, programs):
     """The default config walks items in persistent programs only when there are more items
     than SMs; with no more, the kernel runs the grid of items (one program an item either
-    way, without the walk's output staging and waits)."""
+    way, without the walk's output staging and waits). Persistent programs at D=128 take
+    64-key steps in two compute warpgroups; the grid keeps one warpgroup of 128-key steps."""
     seen = {}
     make_body = mosaic.decode_body.make_body
 
     def spy(**kwargs):
-        seen.update(persistent=kwargs["config"].persistent, programs=kwargs["num_programs"])
+        config = kwargs["config"]
+        seen.update(persistent=config.persistent, programs=kwargs["num_programs"])
+        seen.update(steps=(config.block_kv, config.num_stages, config.compute_warpgroups))
         return make_body(**kwargs)
 
     monkeypatch.setattr(mosaic.decode_body, "make_body", spy)
     monkeypatch.setattr(mosaic, "device_num_sms", lambda: 132)
     args = _abstract_args(128, 16, 8, 16, jnp.bfloat16, seqs=seqs, pages=seqs * 8)
     assert "mosaic_gpu" in lower_for_hopper(_mosaic_fn(num_splits=num_splits), *args)
-    assert seen == dict(persistent=persistent, programs=programs)
+    steps = (64, 4, 2) if persistent else (128, 2, 1)
+    assert seen == dict(persistent=persistent, programs=programs, steps=steps)
 
 
 def _ranked_slots(kv_lens):
@@ -339,6 +353,14 @@ FEATURES = [
         num_splits=5,
         sliding_window=70,
     ),
+    dict(config=mosaic.MosaicDecodeConfig(compute_warpgroups=2)),
+    dict(config=mosaic.MosaicDecodeConfig(compute_warpgroups=2, persistent=False), num_splits=3),
+    dict(
+        config=mosaic.MosaicDecodeConfig(block_kv=64, num_stages=4, compute_warpgroups=2),
+        num_splits=5,
+        sliding_window=70,
+        logits_soft_cap=7.0,
+    ),
 ]
 
 
@@ -368,8 +390,9 @@ def test_features(features, page_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compute_warpgroups", [1, 2])
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_long_context(page_size):
+def test_long_context(page_size, compute_warpgroups):
     """Thousands of steps per sequence over scattered pages, split across programs."""
     rng = np.random.default_rng(3)
     batch = _decode_batch(
@@ -381,7 +404,8 @@ def test_long_context(page_size):
         page_size=page_size,
         dtype=jnp.bfloat16,
     )
-    out, lse = _run(batch)
+    config = mosaic.MosaicDecodeConfig(compute_warpgroups=compute_warpgroups)
+    out, lse = _run(batch, config=config)
     assert_close(out, lse, *oracle(batch), jnp.bfloat16)
 
 
@@ -391,15 +415,19 @@ def _ragged_batch(rng, lens, **heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compute_warpgroups", [1, 2])
 @pytest.mark.parametrize("longest_first", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_persistent_programs_walk_many_items(num_splits, longest_first):
+def test_persistent_programs_walk_many_items(num_splits, longest_first, compute_warpgroups):
     """48 ragged slots x 4 KV heads x splits: up to 5 items per persistent program, whose
-    K/V pipeline runs on from one item into the next."""
+    K/V pipeline runs on from one item into the next (with two compute warpgroups, items of
+    odd step counts swap which warpgroup takes the next item's first step)."""
     rng = np.random.default_rng(num_splits)
     lens = [int(n) for n in rng.integers(0, 700, size=48)]
     batch = _ragged_batch(rng, lens, num_q_heads=16, num_kv_heads=4, head_dim=128)
-    config = mosaic.MosaicDecodeConfig(persistent=True, longest_first=longest_first)
+    config = mosaic.MosaicDecodeConfig(
+        persistent=True, longest_first=longest_first, compute_warpgroups=compute_warpgroups
+    )
     out, lse = _run(batch, num_splits=num_splits, config=config)
     assert_close(out, lse, *oracle(batch), jnp.bfloat16)
 

@@ -1,7 +1,7 @@
 """The body of the Mosaic GPU decode kernel (`pallas_kernels.mosaic.paged_decode`) and the
 shared memory it works in.
 
-Two warpgroups per program:
+Two or three warpgroups per program:
 
 * the copy warpgroup reads page ids from the page table and brings every page of K and V into
   shared memory (`pipeline.copy_step`), `block_kv // page_size` pages per pipeline step and
@@ -11,11 +11,17 @@ Two warpgroups per program:
   base-2 online softmax in between, releases each stage as soon as its product is done, and
   writes its group's rows straight into the final layout (`[S, Hq, D]`, or `[S, splits, Hq, D]`
   partials). In a persistent program it copies the next item's Q tile as soon as the item's
-  last Q K^T has read the tile, so that the next item's first step does not wait for it.
+  last Q K^T has read the tile, so that the next item's first step does not wait for it;
+* with `config.compute_warpgroups=2`, two compute warpgroups take the pipeline steps of
+  alternate parity, so that one's softmax runs while the other's products do, and merge their
+  states at each item's end (`compute_item`). Compute alone takes 58.7 us a call at the `1b`
+  shape at B=64, against the page stream's 69.5 and the kernel's 75.8 (benchmarks/NOTES.md,
+  run 110): the two overlap imperfectly.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -25,7 +31,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import finalize, logits_base2, online_softmax_step, visible
+from pallas_kernels.common import (
+    finalize,
+    logits_base2,
+    merge_online_states,
+    online_softmax_step,
+    visible,
+)
 from pallas_kernels.mosaic import pipeline, slot_order
 
 TILE_M = 64  # `wgmma` M: the rows of the score tile.
@@ -46,7 +58,12 @@ class Scratch(NamedTuple):
     v_free: Any
     lens_smem: Any = None  # ordering "kernel": i32[S] the slots' kv_lens (`order_slots`)
     order_smem: Any = None  # ... and i32[S] the slot of each rank
-    order_ready: Any = None  # ... and the barrier the compute warpgroup waits on
+    order_ready: Any = None  # ... and the barrier the compute warpgroups wait on
+    # Two compute warpgroups: the second one's state (f32 acc [TILE_M, D], m, l [TILE_M])
+    # handed to the first at each item's end, and the barriers of the handoff.
+    merge_smem: Any = None
+    merge_ready: Any = None
+    merge_free: Any = None
 
 
 def scratch(config, dtype, partial_dtype, head_dim, page_size, ordering, num_seq_slots):
@@ -58,11 +75,22 @@ def scratch(config, dtype, partial_dtype, head_dim, page_size, ordering, num_seq
         plgpu.SMEM((TILE_M, head_dim), partial_dtype),
         plgpu.SMEM((TILE_M,), jnp.float32),
     )
-    order = ()
+    order = (None, None, None)
     if ordering == "kernel":
         order = (
             plgpu.SMEM((num_seq_slots,), jnp.int32),
             plgpu.SMEM((num_seq_slots,), jnp.int32),
+            plgpu.Barrier(),
+        )
+    merge = ()
+    if config.compute_warpgroups == 2:
+        merge = (
+            (
+                plgpu.SMEM((TILE_M, head_dim), jnp.float32),
+                plgpu.SMEM((TILE_M,), jnp.float32),
+                plgpu.SMEM((TILE_M,), jnp.float32),
+            ),
+            plgpu.Barrier(),
             plgpu.Barrier(),
         )
     return Scratch(
@@ -78,6 +106,7 @@ def scratch(config, dtype, partial_dtype, head_dim, page_size, ordering, num_seq
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         *order,
+        *merge,
     )
 
 
@@ -90,6 +119,8 @@ def smem_bytes(config, head_dim: int, itemsize: int) -> int:
         smem += TILE_M * (head_dim + 1) * 4
     if config.longest_first:
         smem += 2 * slot_order.MAX_SLOTS_RANKED * 4
+    if config.compute_warpgroups == 2:
+        smem += TILE_M * (head_dim + 2) * 4
     return smem
 
 
@@ -222,15 +253,26 @@ def make_body(
                 q_barrier,
             )
 
-        def compute_item(kv_head, split, seq, valid, count, next_q=None):
-            """Attention of the item's query heads over its steps; returns the step count.
+        pair = config.compute_warpgroups == 2
+
+        def compute_item(kv_head, split, seq, valid, count, next_q=None, *, w=0):
+            """Attention of the item's query heads over its steps, by compute warpgroup `w`;
+            returns the step count.
 
             Without `next_q` the item copies its own Q tile first. A persistent program's
             items find theirs copied already: `next_q()` copies the next item's as soon as
             this one's last Q K^T has read the tile (or at once, for an item of no steps), so
-            the copy's latency hides behind the item's last P V and its output write."""
+            the copy's latency hides behind the item's last P V and its output write.
+
+            With two compute warpgroups, warpgroup `w` takes the pipeline steps `count + i`
+            of parity `w` (one's softmax runs while the other's products do), so that each
+            waits on every phase of its own stages' barriers (a waiter tracks the phases by
+            counting its waits: `num_stages` is even), and the second hands its
+            online-softmax state to the first through shared memory at the item's end; the
+            first merges the two, copies the next item's Q tile (both are done with this
+            one's) and writes the output."""
             kv_len, step0, num_steps = steps_of(split, seq, valid)
-            if next_q is None:
+            if next_q is None and w == 0:
                 copy_q(kv_head, seq)
             head_dim = q_smem.shape[-1]
             acc = plgpu.layout_cast(jnp.zeros((TILE_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -239,11 +281,14 @@ def make_body(
             l = plgpu.layout_cast(jnp.zeros((TILE_M,), jnp.float32), row)
             with jax.named_scope("wait_q"):
                 plgpu.barrier_wait(q_barrier)
-            if next_q is not None:
+            if next_q is not None and not pair:
                 pl.when(num_steps == 0)(next_q)
 
-            def step(i, carry):
+            first = lax.rem(count + w, 2) if pair else 0  # the first step of parity w
+
+            def step(j, carry):
                 acc, m, l = carry
+                i = first + 2 * j if pair else j
                 slot = lax.rem(count + i, stages)
                 start = (step0 + i) * block_kv
                 with jax.named_scope("wait_k"):
@@ -255,7 +300,7 @@ def make_body(
 
                 s = pl.run_scoped(qk, plgpu.ACC((TILE_M, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                if next_q is not None:
+                if next_q is not None and not pair:
                     pl.when(i == num_steps - 1)(next_q)
                 key = start + plgpu.broadcasted_iota(
                     jnp.int32, (TILE_M, block_kv), 1, layout=plgpu.Layout.WGMMA
@@ -277,8 +322,28 @@ def make_body(
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m, l
 
+            my_steps = (num_steps - first + 1) // 2 if pair else num_steps
             with jax.named_scope("steps"):
-                acc, m, l = lax.fori_loop(0, num_steps, step, (acc, m, l))
+                acc, m, l = lax.fori_loop(0, my_steps, step, (acc, m, l))
+
+            if pair:
+                (acc_smem, m_smem, l_smem) = scratch.merge_smem
+                if w == 1:  # hand the state over; wait until it is read
+                    with jax.named_scope("hand_over"):
+                        acc_smem[...] = acc
+                        m_smem[...] = m
+                        l_smem[...] = l
+                        plgpu.barrier_arrive(scratch.merge_ready)
+                        plgpu.barrier_wait(scratch.merge_free)
+                    return count + num_steps
+                with jax.named_scope("merge"):
+                    plgpu.barrier_wait(scratch.merge_ready)
+                    if next_q is not None:
+                        next_q()
+                    acc, m, l = merge_online_states(
+                        (acc, m, l), (acc_smem[...], m_smem[...], l_smem[...])
+                    )
+                    plgpu.barrier_arrive(scratch.merge_free)
 
             if valid is None:
                 write_output(kv_head, split, seq, acc, m, l)
@@ -297,11 +362,11 @@ def make_body(
                 index = snake_item(k, program, num_programs)
                 return *item_of(jnp.minimum(index, num_items - 1)), index < num_items
 
-            def run(work, prefetch_q=False):
+            def run(work, prefetch_q=False, first_q=True):
                 """`work` on each of this program's items of the snake order; with
-                `prefetch_q`, the first item's Q tile copied before and every item's
-                `next_q` copying the next one's."""
-                if prefetch_q:
+                `prefetch_q`, the first item's Q tile copied before (if `first_q`) and every
+                item's `next_q` copying the next one's."""
+                if prefetch_q and first_q:
                     kv_head, _, seq, _ = item_at(0)
                     copy_q(kv_head, seq)
 
@@ -325,29 +390,37 @@ def make_body(
                 lax.axis_index("split") + num_splits * lax.axis_index("seq")
             )
 
-            def run(work, prefetch_q=False):
+            def run(work, prefetch_q=False, first_q=True):
                 """`work` on this program's one item (which copies its own Q tile)."""
-                del prefetch_q
+                del prefetch_q, first_q
                 kv_head, split, seq = item_of(index)
                 work(kv_head, split, seq, None, jnp.int32(0))
 
-        @pl.when(wg == 1)
+        compute_wgs = config.compute_warpgroups
+
+        @pl.when(wg == compute_wgs)
         @jax.named_scope("copy")
         def _copy():
-            if ordering == "kernel":  # the copy warpgroup orders the slots for both
+            if pair:
+                plgpu.set_max_registers(40, action="decrease")
+            if ordering == "kernel":  # the copy warpgroup orders the slots for compute
                 with jax.named_scope("order"):
                     slot_order.order_slots(lens_ref, scratch.lens_smem, scratch.order_smem)
                     plgpu.barrier_arrive(scratch.order_ready)
             run(copy_item)
 
-        @pl.when(wg == 0)
-        @jax.named_scope("compute")
-        def _compute():
-            if ordering == "kernel":
-                plgpu.barrier_wait(scratch.order_ready)
-            run(compute_item, prefetch_q=True)
-            if config.persistent:  # one item per program waits in `write_output`
-                plgpu.wait_smem_to_gmem(0)
+        for w in range(compute_wgs):
+
+            @pl.when(wg == w)
+            @jax.named_scope(f"compute{w}")
+            def _compute(w=w):
+                if pair:
+                    plgpu.set_max_registers(232, action="increase")
+                if ordering == "kernel":
+                    plgpu.barrier_wait(scratch.order_ready)
+                run(functools.partial(compute_item, w=w), prefetch_q=True, first_q=w == 0)
+                if config.persistent and w == 0:  # one item a program waits in `write_output`
+                    plgpu.wait_smem_to_gmem(0)
 
     return body
 

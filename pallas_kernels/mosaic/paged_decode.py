@@ -43,6 +43,12 @@ from pallas_kernels.mosaic.common import (
 # Shared memory the default configs give the K/V stages: enough bytes in flight per SM for HBM
 # latency at 1/132 of the H200's bandwidth, and one program per SM.
 _DEFAULT_STAGE_BYTES = 128 * 1024
+# What the default config becomes in a call of persistent programs at D=128 (more items than
+# SMs): 64-key steps, four stages, two compute warpgroups on alternate steps (the 245 registers
+# a thread of 128-key steps need do not fit three warpgroups; 175 do). Run 111, the `1b`
+# attention shape: B=64 74.3 against 76.8 us a call, and 122 us with two warpgroups of 128-key
+# steps (spills).
+_PERSISTENT_D128 = dict(block_kv=64, num_stages=4, compute_warpgroups=2)
 # A split does at least this many pipeline steps (when the sequence has them). One: with SMs
 # left idle, a short sequence split to one step per program finishes sooner than with fewer,
 # longer splits, though each pays the pipeline fill (benchmarks/NOTES.md).
@@ -74,15 +80,28 @@ class MosaicDecodeConfig:
         to every SM. The default (with `longest_first`): faster on ragged batches, as fast on
         uniform ones (benchmarks/NOTES.md). A call of no more items than SMs runs the grid of
         items instead (one program an item either way; the grid skips the walk's costs).
+      compute_warpgroups: 1, or 2 to give the pipeline steps of alternate parity to two
+        compute warpgroups (one's softmax overlaps the other's `wgmma`; `num_stages` even).
+        Three warpgroups leave a compute thread 232 registers: enough for 64-key steps (175),
+        not for 128-key ones (245; they spill and run 1.6x slower, run 111). `config=None`
+        gives persistent calls at D=128 64-key steps in two warpgroups (`_PERSISTENT_D128`).
     """
 
     block_kv: int = 128
     num_stages: int = 2
     longest_first: bool = True
     persistent: bool = True
+    compute_warpgroups: int = 1
 
     def __post_init__(self):
         check_pipeline(self.block_kv, self.num_stages)
+        if self.compute_warpgroups not in (1, 2):
+            raise ValueError(f"compute_warpgroups must be 1 or 2; got {self.compute_warpgroups!r}")
+        if self.compute_warpgroups == 2 and self.num_stages % 2:
+            raise ValueError(
+                "compute_warpgroups=2 needs an even num_stages (each compute warpgroup takes "
+                f"the pipeline steps of one parity); got num_stages={self.num_stages}"
+            )
 
     @classmethod
     def default(cls, head_dim: int) -> MosaicDecodeConfig:
@@ -160,7 +179,9 @@ def paged_decode_attention(
       page_indices: i32[S, pages_per_seq].
       num_splits: KV splits per sequence; None: `choose_num_splits`.
       sm_scale, sliding_window, logits_soft_cap: as `jaxpaged.paged_decode_attention`.
-      config: `MosaicDecodeConfig`; None: `MosaicDecodeConfig.default(D)`.
+      config: `MosaicDecodeConfig`; None: `MosaicDecodeConfig.default(D)`, which a call of
+        persistent programs at D=128 (and pages that divide 64 keys) runs as 64-key steps, four
+        stages and two compute warpgroups (`_PERSISTENT_D128`).
       interpret: must be False: Mosaic GPU's interpreter cannot run `wgmma` (jax 0.11.2).
       profile_dir: diagnostics only: every call writes a trace of each program's named
         regions (Mosaic GPU's in-kernel profiler) as JSON into this directory.
@@ -177,6 +198,7 @@ def paged_decode_attention(
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
     group = num_q_heads // num_kv_heads
+    default_config = config is None
     config = MosaicDecodeConfig.default(head_dim) if config is None else config
     _check(q, page_size, head_dim, group, config, interpret)
     max_steps = _max_steps(pages_per_seq * page_size, sliding_window, config.block_kv)
@@ -200,12 +222,17 @@ def paged_decode_attention(
         jax.ShapeDtypeStruct((num_seq_slots, *partials, num_q_heads, head_dim), partial_dtype),
         jax.ShapeDtypeStruct((num_seq_slots, *partials, num_q_heads), jnp.float32),
     )
-    chunk = pl.cdiv(max_steps, num_splits)
     num_items = num_kv_heads * num_splits * num_seq_slots
     if config.persistent and num_items <= device_num_sms():
         # One item a program either way; the grid of items skips the persistent loop's output
         # staging and waits (the `1b` shape at B=16: 23.9 against 25.0 us a call, run 88).
         config = dataclasses.replace(config, persistent=False)
+    elif default_config and config.persistent and head_dim == 128 and 64 % page_size == 0:
+        # Persistent programs at D=128 by default take 64-key steps in two compute
+        # warpgroups: the `1b` shape at B=64 74.3 against 76.8 us a call (run 111).
+        config = dataclasses.replace(config, **_PERSISTENT_D128)
+        max_steps = _max_steps(pages_per_seq * page_size, sliding_window, config.block_kv)
+    chunk = pl.cdiv(max_steps, num_splits)
     num_programs = device_num_sms() if config.persistent else num_items
     ordering = slot_order.choose(config, pl.cdiv(num_items, num_programs), num_seq_slots)
     body = decode_body.make_body(
@@ -234,7 +261,7 @@ def paged_decode_attention(
                 grid_names=("kv_head", "split", "seq"),
             )
         ),
-        num_threads=2,
+        num_threads=config.compute_warpgroups + 1,
         thread_name="wg",
         # tanh.approx is too coarse for the soft-capped logits' LSE tolerance.
         compiler_params=plgpu.CompilerParams(
