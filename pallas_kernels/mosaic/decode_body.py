@@ -362,11 +362,11 @@ def make_body(
                 index = snake_item(k, program, num_programs)
                 return *item_of(jnp.minimum(index, num_items - 1)), index < num_items
 
-            def run(work, prefetch_q=False, first_q=True):
+            def run(work, prefetch_q=False):
                 """`work` on each of this program's items of the snake order; with
-                `prefetch_q`, the first item's Q tile copied before (if `first_q`) and every
-                item's `next_q` copying the next one's."""
-                if prefetch_q and first_q:
+                `prefetch_q`, the first item's Q tile copied before and every item's
+                `next_q` copying the next one's."""
+                if prefetch_q:
                     kv_head, _, seq, _ = item_at(0)
                     copy_q(kv_head, seq)
 
@@ -390,9 +390,9 @@ def make_body(
                 lax.axis_index("split") + num_splits * lax.axis_index("seq")
             )
 
-            def run(work, prefetch_q=False, first_q=True):
+            def run(work, prefetch_q=False):
                 """`work` on this program's one item (which copies its own Q tile)."""
-                del prefetch_q, first_q
+                del prefetch_q
                 kv_head, split, seq = item_of(index)
                 work(kv_head, split, seq, None, jnp.int32(0))
 
@@ -418,7 +418,8 @@ def make_body(
                     plgpu.set_max_registers(232, action="increase")
                 if ordering == "kernel":
                     plgpu.barrier_wait(scratch.order_ready)
-                run(functools.partial(compute_item, w=w), prefetch_q=True, first_q=w == 0)
+                # The first compute warpgroup copies every Q tile; both wait for it.
+                run(functools.partial(compute_item, w=w), prefetch_q=w == 0)
                 if config.persistent and w == 0:  # one item a program waits in `write_output`
                     plgpu.wait_smem_to_gmem(0)
 
