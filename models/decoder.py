@@ -29,9 +29,19 @@ def split_gate_up(kernel) -> tuple[jax.Array, jax.Array]:
     return pairs[..., 0], pairs[..., 1]
 
 
+# Steps of at most this many tokens (decode batches) take SwiGLU from the float32 gate/up
+# product, rounding once after `silu(gate) * up` rather than the product first. At these sizes
+# the float32 output is small, and XLA then picks an unsplit GEMM for it where the bfloat16
+# product got a split-K GEMM whose partial sums the activation's kernel read: at 64 rows the
+# pair took 18.7 us against 21.7 (benchmarks/NOTES.md, session 21). Larger steps keep the
+# bfloat16 product: there the float32 one would double the bytes the activation reads.
+SWIGLU_F32_MAX_TOKENS = 64
+
+
 class MLP(nnx.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`, with gate and up as one [hidden, 2 I] matrix
-    (`fuse_gate_up`) so that they are one matmul."""
+    (`fuse_gate_up`) so that they are one matmul; for steps of up to `SWIGLU_F32_MAX_TOKENS`
+    tokens the activation takes the matmul's float32 output."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         linear = functools.partial(
@@ -46,8 +56,18 @@ class MLP(nnx.Module):
         self.down_proj = linear(config.intermediate_size, config.hidden_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = split_gate_up(self.gate_up_proj(x))
-        return self.down_proj(jax.nn.silu(gate) * up)
+        if x.shape[0] > SWIGLU_F32_MAX_TOKENS:
+            gate, up = split_gate_up(self.gate_up_proj(x))
+            return self.down_proj(jax.nn.silu(gate) * up)
+        proj = self.gate_up_proj
+        product = jnp.dot(
+            x.astype(proj.dtype),
+            proj.kernel[...],
+            precision=proj.precision,
+            preferred_element_type=jnp.float32,
+        )
+        gate, up = split_gate_up(product)
+        return self.down_proj((jax.nn.silu(gate) * up).astype(proj.dtype))
 
 
 class DecoderLayer(nnx.Module):

@@ -26,7 +26,7 @@ from flax import nnx
 import jaxpaged
 from models import generate
 from models.config import CONFIGS, EngineConfig
-from models.decoder import Decoder
+from models.decoder import MLP, SWIGLU_F32_MAX_TOKENS, Decoder, split_gate_up
 from models.engine import (
     LARGE_STEP_XLA_OPTIONS,
     SMALL_STEP_XLA_OPTIONS,
@@ -228,6 +228,36 @@ def test_chunked_prefill_prompt_logprobs_bf16(backend, prompt_len, chunk):
     drift = np.abs(logprobs(seq) - logprobs(ref))
     print(f"mean |dlogprob| {drift.mean():.4g}, max {drift.max():.4g}")
     assert drift.mean() <= BF16_LOGPROB_TOL
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_swiglu_rounds_once_in_decode_sized_steps(dtype):
+    """Up to `SWIGLU_F32_MAX_TOKENS` tokens the MLP takes `silu(gate) * up` from the float32
+    gate/up product and rounds once; above, from the product rounded to the model's dtype
+    (half the bytes at prefill sizes). In float32 the two are the same computation."""
+    config = dataclasses.replace(CONFIGS["tiny"], dtype=dtype)
+    mlp = MLP(config, rngs=nnx.Rngs(3))
+    kernel = mlp.gate_up_proj.kernel[...]
+
+    def rounded_first(x):
+        gate, up = split_gate_up(x @ kernel)
+        return mlp.down_proj(jax.nn.silu(gate) * up)
+
+    def rounded_once(x):
+        gate, up = split_gate_up(jnp.dot(x, kernel, preferred_element_type=jnp.float32))
+        return mlp.down_proj((jax.nn.silu(gate) * up).astype(dtype))
+
+    for rows, want in (
+        (SWIGLU_F32_MAX_TOKENS, rounded_once),
+        (SWIGLU_F32_MAX_TOKENS + 1, rounded_first),
+    ):
+        x = jax.random.normal(jax.random.key(rows), (rows, config.hidden_size), dtype)
+        got = mlp(x)
+        assert got.dtype == dtype and bool(jnp.all(jnp.isfinite(got)))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want(x), np.float32))
+        if dtype == jnp.bfloat16:  # the two roundings differ somewhere in a bf16 step
+            other = rounded_first if want is rounded_once else rounded_once
+            assert not np.array_equal(np.asarray(got, np.float32), np.asarray(other(x), np.float32))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
