@@ -5,6 +5,7 @@ seeded random, or read from a Hugging Face checkpoint by `models.checkpoint.load
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ class MLP(nnx.Module):
         self.down_proj = linear(config.intermediate_size, config.hidden_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if x.shape[0] > SWIGLU_F32_MAX_TOKENS:
+        if math.prod(x.shape[:-1]) > SWIGLU_F32_MAX_TOKENS:
             gate, up = split_gate_up(self.gate_up_proj(x))
             return self.down_proj(jax.nn.silu(gate) * up)
         proj = self.gate_up_proj
