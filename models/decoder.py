@@ -57,15 +57,13 @@ class MLP(nnx.Module):
         self.down_proj = linear(config.intermediate_size, config.hidden_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if math.prod(x.shape[:-1]) > SWIGLU_F32_MAX_TOKENS:
-            gate, up = split_gate_up(self.gate_up_proj(x))
-            return self.down_proj(jax.nn.silu(gate) * up)
         proj = self.gate_up_proj
+        small = math.prod(x.shape[:-1]) <= SWIGLU_F32_MAX_TOKENS
         product = jnp.dot(
             x.astype(proj.dtype),
             proj.kernel[...],
             precision=proj.precision,
-            preferred_element_type=jnp.float32,
+            preferred_element_type=jnp.float32 if small else None,
         )
         gate, up = split_gate_up(product)
         return self.down_proj((jax.nn.silu(gate) * up).astype(proj.dtype))
