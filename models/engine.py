@@ -433,13 +433,6 @@ def uses_command_buffers(xla_options: tuple[tuple[str, object], ...]) -> bool:
     return dict(xla_options).get("xla_gpu_enable_command_buffer", "default") != ""
 
 
-def without_command_buffers(
-    xla_options: tuple[tuple[str, object], ...],
-) -> tuple[tuple[str, object], ...]:
-    """`xla_options` with command buffers turned off."""
-    return tuple({**dict(xla_options), **dict(LARGE_STEP_XLA_OPTIONS)}.items())
-
-
 def step_xla_options(num_tokens: int, *, decode: bool = False) -> tuple[tuple[str, object], ...]:
     """The XLA options of a step or block of `num_tokens` tokens (its T); `decode`: one token
     per row (decode projections keep XLA's Triton GEMMs at every batch: with the whole block
@@ -459,10 +452,12 @@ def step_function(
     shared_prefix: PrefixSharing | None = None,
     ahead: bool = False,
     prompt_only: bool = False,
+    copy: int = 0,
 ):
     """`model_step` jitted once per model structure, taking the parameters as the flat list of
     their leaves (the engine's step; `decode`, `all_logits` and `implementation` are static,
-    `shared_prefix`, `ahead` and `prompt_only` are bound here).
+    `shared_prefix`, `ahead` and `prompt_only` are bound here). Another `copy` is another
+    jitted function of the same step: an executable, and command buffers, of its own.
 
     Dispatch hashes a jitted function's static arguments and flattens its pytree arguments on
     every call: the GraphDef of the 1B decoder took milliseconds to hash as a static argument
@@ -691,20 +686,21 @@ class Engine:
             self._block_fns[True] = block_function(self.graphdef, treedef, decode_options, sharing)
         # Mixed steps of prompt chunks that sample nothing may stay in flight (below), in a
         # kind of their own: prompt-only (no vocabulary projection, sampling or decode-token
-        # attention) and, where mixed steps run in command buffers, without them: a prompt in
-        # chunks of 512 then keeps the GPU busy while the host plans and launches the next
-        # chunk (benchmarks/NOTES.md, "Session 12"). Keyed by whether the step may stay in
-        # flight.
-        mixed = step_function(self.graphdef, treedef, mixed_options, ahead=self._ahead[False])
-        prompt_options = (
-            mixed_options if self._ahead[False] else without_command_buffers(mixed_options)
+        # attention). Where mixed steps run in command buffers, the prompt-only kind keeps
+        # them in two copies that take turns, so that a launch never finds its own command
+        # buffer in flight: a prompt in chunks of 512 then keeps the GPU busy while the host
+        # plans and launches the next chunk, one graph launch instead of ~200 kernels
+        # (benchmarks/NOTES.md, "Session 22").
+        self._mixed_fn = step_function(
+            self.graphdef, treedef, mixed_options, ahead=self._ahead[False]
         )
-        self._mixed_fns = {
-            False: mixed,
-            True: step_function(
-                self.graphdef, treedef, prompt_options, ahead=True, prompt_only=True
-            ),
-        }
+        self._prompt_fns = tuple(
+            step_function(
+                self.graphdef, treedef, mixed_options, ahead=True, prompt_only=True, copy=i
+            )
+            for i in range(1 if self._ahead[False] else 2)
+        )
+        self._prompt_steps = 0  # prompt-only steps launched, for their turns
         self.vocab_size = model.config.vocab_size
         self.kv_pages = init_kv_pages(model.config, config.num_pages, config.page_size)
         self.pool = jaxpaged.create_pool(
@@ -747,13 +743,20 @@ class Engine:
             return None
         return PrefixSharing(size, config.shared_prefix_min_tokens, config.max_prefix_groups)
 
-    def step_fn(self, decode: bool, shared_prefix: bool = True, in_flight: bool = False):
+    def step_fn(
+        self, decode: bool, shared_prefix: bool = True, in_flight: bool = False, turn: int = 0
+    ):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
         *, decode, all_logits, implementation) -> (kv_pages, pool, StepOutputs)`, pages and
         pool donated. A decode step has the shared-prefix path when `prefix_sharing` is set,
-        unless `shared_prefix` is False; `in_flight`: the mixed step that may stay in flight
-        (on a GPU, without command buffers)."""
-        return self._decode_fns[shared_prefix] if decode else self._mixed_fns[in_flight]
+        unless `shared_prefix` is False; `in_flight`: the prompt-only step that may stay in
+        flight, the copy whose `turn` it is (of two where mixed steps run in command
+        buffers)."""
+        if decode:
+            return self._decode_fns[shared_prefix]
+        if in_flight:
+            return self._prompt_fns[turn % len(self._prompt_fns)]
+        return self._mixed_fn
 
     @property
     def block_fn(self):
@@ -870,7 +873,13 @@ class Engine:
         inputs = self._inputs(plan)
         start = time.perf_counter()
         with self._calling():
-            fn = self.step_fn(plan.decode, shared_prefix=self._shares_pages(), in_flight=stays)
+            fn = self.step_fn(
+                plan.decode,
+                shared_prefix=self._shares_pages(),
+                in_flight=stays,
+                turn=self._prompt_steps,
+            )
+            self._prompt_steps += stays
             self.kv_pages, self.pool, out = fn(
                 self.param_leaves,
                 self.kv_pages,

@@ -26,7 +26,6 @@ from models.engine import (
     fork_samples,
     step_function,
     uses_command_buffers,
-    without_command_buffers,
 )
 from models.prefix_cache import page_keys
 from models.scheduler import SamplingParams
@@ -871,42 +870,53 @@ def test_steps_stay_in_flight_only_outside_command_buffers():
     assert graphs == {k: jax.default_backend() != "gpu" for k in (True, False)}
     assert uses_command_buffers(SMALL_STEP_XLA_OPTIONS) and uses_command_buffers(())
     assert not uses_command_buffers(NO_GRAPHS)
-    assert not uses_command_buffers(without_command_buffers(SMALL_STEP_XLA_OPTIONS))
-    assert dict(without_command_buffers(SMALL_STEP_XLA_OPTIONS))["xla_gpu_graph_min_graph_size"]
-    # The mixed steps that may stay in flight: a prompt-only kind of their own, on a GPU
-    # without command buffers.
+    # The mixed steps that may stay in flight: a prompt-only kind of their own, on a GPU in
+    # two copies that take turns.
     engine = _engine("xla", xla_options=SMALL_STEP_XLA_OPTIONS)
     treedef = jax.tree.structure(engine.params)
     on_gpu = jax.default_backend() == "gpu"
-    options = without_command_buffers(SMALL_STEP_XLA_OPTIONS) if on_gpu else SMALL_STEP_XLA_OPTIONS
-    in_flight = step_function(engine.graphdef, treedef, options, ahead=True, prompt_only=True)
-    assert engine.step_fn(False, in_flight=True) is in_flight
+    copies = [
+        step_function(
+            engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS, ahead=True, prompt_only=True, copy=i
+        )
+        for i in range(2 if on_gpu else 1)
+    ]
+    assert len(set(map(id, copies))) == len(copies)
+    turns = [engine.step_fn(False, in_flight=True, turn=t) for t in range(4)]
+    assert turns == (copies * 4)[:4]
     mixed = step_function(engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS, ahead=not on_gpu)
     assert engine.step_fn(False) is mixed
 
 
-def test_prompt_chunks_leave_command_buffers_to_stay_in_flight():
-    """Where mixed steps run in command buffers (on a GPU), a step of prompt chunks that
-    samples nothing runs in the mixed kind without them and stays in flight; the chunk that
-    samples runs in the command-buffer kind, enqueued after the step in flight is read."""
-    prompt, params = _prompt(20, 700), SamplingParams(4)
+def test_prompt_chunks_stay_in_flight_in_copies_that_take_turns():
+    """Where mixed steps run in command buffers (on a GPU), steps of prompt chunks that sample
+    nothing stay in flight in the prompt-only kind, two copies of it in turn (a command
+    buffer's launch waits for its own launch in flight); the chunk that samples runs in the
+    mixed kind, enqueued after the step in flight is read."""
+    prompt, params = _prompt(28, 700), SamplingParams(4)
     engine = _engine("xla", chunk_size=8, max_tokens_per_step=8, decode_steps=None)
     engine._ahead[False] = False  # mixed steps as if they ran in command buffers
     treedef = jax.tree.structure(engine.params)
-    graph_fn = step_function(engine.graphdef, treedef, (), ahead=False)
-    in_flight_fn = engine._mixed_fns[True]
+    mixed_fn = step_function(engine.graphdef, treedef, (), ahead=False)
+    copies = [
+        step_function(engine.graphdef, treedef, (), ahead=True, prompt_only=True, copy=i)
+        for i in range(2)
+    ]
+    assert copies[0] is not copies[1]
     events = []
+
+    def recorded(name, fn):
+        return lambda *a, **kw: events.append(name) or fn(*a, **kw)
+
     read_step = engine._read_step
     engine._read_step = lambda step, **kw: events.append("read") or read_step(step, **kw)
-    engine._mixed_fns = {
-        False: lambda *a, **kw: events.append("graph") or graph_fn(*a, **kw),
-        True: lambda *a, **kw: events.append("in flight") or in_flight_fn(*a, **kw),
-    }
+    engine._mixed_fn = recorded("mixed", mixed_fn)
+    engine._prompt_fns = tuple(recorded(f"copy {i}", fn) for i, fn in enumerate(copies))
     seq = engine.add_request(prompt, params)
-    for _ in range(3):  # tokens 0-8 and 8-16 in flight in turn, then 16-20 (it samples)
+    for _ in range(4):  # tokens 0-8, 8-16 and 16-24 in flight in turn, then 24-28 (it samples)
         engine.step()
-    assert events == ["in flight", "in flight", "read", "read", "graph"]
-    assert engine._step is None and engine.stats.steps_in_flight == 2
+    assert events == ["copy 0", "copy 1", "read", "copy 0", "read", "read", "mixed"]
+    assert engine._step is None and engine.stats.steps_in_flight == 3
     while engine.has_work():
         engine.step()
     [ref] = _generate(_engine("xla", decode_steps=None, overlap=False), [prompt], params)
