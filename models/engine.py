@@ -18,10 +18,11 @@ released, and with prefix caching pages cached (`jaxpaged.retain`), evicted (`dr
 attached to admitted requests (`attach`). A step's host sync reads its sampled tokens. A
 block's sync reads its [N, S] tokens once, and while block i runs the host has already
 enqueued block i+1 from block i's device outputs, so the GPU does not wait for the host
-between blocks. A step that samples nothing (prompt chunks short of their prompts' ends) and
-runs without command buffers is read only after the next step is enqueued; each step checks on
-the device that the pool holds the cached tokens the host counted, so a step enqueued after
-one that failed writes nothing.
+between blocks. A step that samples nothing (prompt chunks short of their prompts' ends) is
+read only after the next step is enqueued (where steps run in command buffers, in two copies
+that take turns: a command buffer's launch waits for its own launch in flight); each step
+checks on the device that the pool holds the cached tokens the host counted, so a step
+enqueued after one that failed writes nothing.
 """
 
 from __future__ import annotations

@@ -861,9 +861,10 @@ def test_a_failed_step_in_flight_is_taken_back():
 
 
 def test_steps_stay_in_flight_only_outside_command_buffers():
-    """On a GPU a step that runs in a command buffer is read before the next is enqueued (its
-    next launch waited for it); without command buffers, and off the GPU, it may stay in
-    flight."""
+    """On a GPU a decode or mixed step that runs in a command buffer is read before the next
+    is enqueued (its next launch waited for it); without command buffers, and off the GPU, it
+    may stay in flight. Prompt-only steps always may: on a GPU in two copies that take
+    turns."""
     engine = _engine("xla", xla_options=NO_GRAPHS)
     assert engine._ahead == {True: True, False: True}
     graphs = _engine("xla", xla_options=SMALL_STEP_XLA_OPTIONS)._ahead
