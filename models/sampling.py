@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class SamplingArrays(NamedTuple):
@@ -54,8 +55,25 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+GREEDY, DRAW, FILTERED_DRAW = 0, 1, 2  # `sample`'s cases
+
+
+def sampling_case(temperatures, top_k, top_p) -> int:
+    """The `sample` case that rows with these parameters (host arrays) need: GREEDY when no
+    row samples, DRAW when none filters, else FILTERED_DRAW. A case covers the ones below it."""
+    temperatures, top_k, top_p = (np.asarray(a) for a in (temperatures, top_k, top_p))
+    draws = temperatures > 0
+    filters = draws & ((top_k > 0) | (top_p < 1.0))
+    return int(draws.any()) + int(filters.any())
+
+
 def sample(
-    logits: jax.Array, params: SamplingArrays, positions: jax.Array, *, conditionals: bool = True
+    logits: jax.Array,
+    params: SamplingArrays,
+    positions: jax.Array,
+    *,
+    conditionals: bool = True,
+    case: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row: argmax where the temperature is 0, else a categorical sample of the
     filtered, temperature-scaled logits.
@@ -67,7 +85,8 @@ def sample(
     too when no row samples (a greedy batch); False computes all of them always. Where XLA
     runs a conditional on the host (outside command buffers), the host reads its predicate,
     so the call that launches the step waits there for the GPU to reach it: such steps take
-    False.
+    False. `case` (`sampling_case` of the rows, known when tracing) takes that branch without
+    a conditional: no predicate to compute and no conditional to run in every step.
     """
     temperatures = params.temperatures
     # Which branch runs depends on the batch but no row's sample does: rows with top_k 0 and
@@ -86,13 +105,18 @@ def sample(
     def greedy(x):
         return jnp.zeros(x.shape[:1], jnp.int32)
 
-    if conditionals:  # a greedy batch (0), sampling without filters (1) or with them (2)
-        case = jnp.any(temperatures > 0).astype(jnp.int32) + jnp.any(filters).astype(jnp.int32)
-        branches = (greedy, draw, functools.partial(draw, filtered=True))
-        sampled = jax.lax.switch(case, branches, logits)
+    branches = (greedy, draw, functools.partial(draw, filtered=True))
+    if case is not None:
+        if case not in (GREEDY, DRAW, FILTERED_DRAW):
+            raise ValueError(f"case must be GREEDY, DRAW or FILTERED_DRAW (0-2); got {case!r}")
+        sampled = branches[case](logits)
+    elif conditionals:  # a greedy batch (0), sampling without filters (1) or with them (2)
+        index = jnp.any(temperatures > 0).astype(jnp.int32) + jnp.any(filters).astype(jnp.int32)
+        sampled = jax.lax.switch(index, branches, logits)
     else:
         sampled = draw(logits, filtered=True)
-    tokens = jnp.where(temperatures > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = argmax if case == GREEDY else jnp.where(temperatures > 0, sampled, argmax)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
 

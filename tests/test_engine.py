@@ -22,6 +22,7 @@ from models.engine import (
     LARGE_STEP_XLA_OPTIONS,
     SMALL_STEP_XLA_OPTIONS,
     Engine,
+    _decode_metadata,
     block_steps,
     fork_samples,
     step_function,
@@ -180,7 +181,7 @@ def test_rows_stopping_mid_block_give_back_the_pages_reserved_for_them():
     remaining = end + 1 - len(seqs[0].output)  # tokens to the stop token, which it keeps
     assert 1 <= remaining < 8
     before = np.asarray(engine.pool.kv_lens).copy()
-    out = jax.device_get(engine._launch_block(engine._block_inputs(rows)))
+    out = jax.device_get(engine._launch_block(engine._block_inputs(rows), rows))
     pool = jax.device_get(engine.pool)
     assert out.ok and int(out.steps) == 8
     assert out.counts[0] == remaining  # row 0 stopped mid-block
@@ -253,9 +254,38 @@ def test_request_arriving_during_a_block_waits_at_most_that_block():
     assert late.num_cached == len(late.tokens) - 1 and len(late.output) == 1
 
 
+@pytest.mark.parametrize("step", [0, 5, 13])
+def test_block_decode_metadata_equals_the_ragged_build(step):
+    """A block step's metadata, written out for one token per row, is `StepMetadata.build`'s
+    for the same rows: kv_lens, slots and the pages of active rows, positions where a row is
+    active (0 for padding), across page boundaries and for rows with no pages."""
+    rng = np.random.default_rng(step)
+    rows, pages_per_seq, page_size, num_pages = 12, 6, 4, 96
+    cached = jnp.asarray(rng.integers(0, pages_per_seq * page_size - 16, rows), jnp.int32)
+    table = rng.permutation(num_pages)[: rows * pages_per_seq].reshape(rows, pages_per_seq)
+    table = jnp.asarray(table, jnp.int32).at[3].set(-1)  # a padding row: no pages
+    active = jnp.asarray(rng.random(rows) < 0.7).at[3].set(False).at[0].set(True)
+    got = _decode_metadata(cached, table, active, jnp.int32(step), page_size)
+    want = jaxpaged.StepMetadata.build(
+        jnp.where(active, cached + step + 1, 0),
+        jnp.where(active[:, None], table, -1),
+        jnp.arange(rows + 1, dtype=jnp.int32),
+        rows,
+        num_tokens=rows,
+        decode=True,
+        pool_shape=(num_pages, page_size),
+    )
+    for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs", "kv_slots"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    np.testing.assert_array_equal(got.positions, jnp.where(active, want.positions, 0))
+    assert got.decode and (np.asarray(got.kv_slots)[np.asarray(active)] >= 0).all()
+
+
 def test_block_updates_pages_and_pool_in_place_and_compiles_once():
+    """Once per sampling case: after a greedy and a sampled warm-up, nothing compiles."""
     engine = _engine("xla", decode_steps=4)
     _generate(engine, PROMPTS[:2], GREEDY[:2])
+    _generate(engine, PROMPTS[:1], [SamplingParams(5, 0.7, seed=3)])
     seq = engine.add_request(_prompt(20, 5), SamplingParams(6))
     while seq.num_cached < seq.prompt_len:
         engine.step()

@@ -6,7 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.sampling import SamplingArrays, filter_logits, is_stop, sample
+from models.sampling import (
+    DRAW,
+    FILTERED_DRAW,
+    GREEDY,
+    SamplingArrays,
+    filter_logits,
+    is_stop,
+    sample,
+    sampling_case,
+)
 
 VOCAB = 64
 
@@ -120,3 +129,34 @@ def test_sampling_without_its_conditionals_gives_the_same_tokens(temperature, fi
     np.testing.assert_array_equal(got[0][greedy], jnp.argmax(logits, axis=-1)[greedy])
     if temperature > 0:  # the draw ran: some sampled row leaves its argmax
         assert (got[0][~greedy] != jnp.argmax(logits, axis=-1)[~greedy]).any()
+
+
+@pytest.mark.parametrize("temperature,filtered", [(0.8, False), (0.8, True), (0.0, True)])
+def test_a_static_case_samples_what_the_conditional_samples(temperature, filtered):
+    """`case` (a block whose rows' parameters the host knows) traces no `cond` and gives the
+    conditional's tokens and log-probabilities, at the rows' `sampling_case` and every case
+    above it; a bad case is refused."""
+    rows = 8
+    logits = jax.random.normal(jax.random.key(5), (rows, VOCAB)) * 2.0
+    params = _arrays(rows, temperature, top_k=5 if filtered else 0, top_p=0.9 if filtered else 1.0)
+    params = params._replace(temperatures=params.temperatures.at[::2].set(0.0))
+    positions = jnp.arange(rows, dtype=jnp.int32) + 7
+    case = sampling_case(*jax.device_get((params.temperatures, params.top_k, params.top_p)))
+    assert case == (GREEDY if temperature == 0 else FILTERED_DRAW if filtered else DRAW)
+    want = sample(logits, params, positions)
+    for c in range(case, FILTERED_DRAW + 1):
+        fn = jax.jit(lambda x, c=c: sample(x, params, positions, case=c))
+        assert "cond" not in str(jax.make_jaxpr(fn)(logits))
+        for g, w in zip(fn(logits), want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match="case must be"):
+        sample(logits, params, positions, case=3)
+
+
+def test_sampling_case_is_the_largest_any_row_needs():
+    assert sampling_case([0.0, 0.0], [5, 0], [0.5, 1.0]) == GREEDY  # greedy rows never filter
+    assert sampling_case([0.0, 0.7], [0, 0], [1.0, 1.0]) == DRAW
+    assert sampling_case([0.7, 0.0], [0, 3], [1.0, 1.0]) == DRAW
+    assert sampling_case([0.7, 0.7], [0, 3], [1.0, 1.0]) == FILTERED_DRAW
+    assert sampling_case([0.7], [0], [0.9]) == FILTERED_DRAW
+    assert sampling_case([], [], []) == GREEDY
