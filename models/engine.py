@@ -1,7 +1,8 @@
 """The engine: jitted steps over donated KV pages and page pool, and the host loop of
 continuous batching around them.
 
-Four jitted functions, each compiled once (all shapes come from `EngineConfig`):
+Four jitted functions, each compiled once (all shapes come from `EngineConfig`; the block once
+per sampling case it meets: greedy, sampled, sampled with top-k / top-p filters):
   mixed   a step of T = max_tokens_per_step tokens: prefill chunks of several sequences,
           decodes riding along; attention by `ragged_paged_attention`.
   decode  a step of one token per sequence slot; attention by `paged_decode_attention`, or,
@@ -9,7 +10,9 @@ Four jitted functions, each compiled once (all shapes come from `EngineConfig`):
   block   up to `decode_steps` decode steps in one `lax.while_loop`: the block reserves its
           steps' pages in the pool once, each step appends K/V, samples on the device and
           feeds the token back; rows stop on the device at a stop token or their token
-          budget, and give back the pages they did not fill after the loop.
+          budget, and give back the pages they did not fill after the loop. Its steps' metadata
+          is written out for one token per row (`_decode_metadata`), not built by the ragged
+          path, and it samples in the case its rows need, without a conditional.
   fork    after the step that completes the prompt of a request of n samples: its other
           samples start as forks of it in the pool, sharing its full pages, with the copy of
           its last page in every layer (`fork_samples`).
