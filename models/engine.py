@@ -181,26 +181,19 @@ def _forward(
 
 
 def _decode_metadata(
-    cached: jax.Array,
-    table: jax.Array,
-    active: jax.Array,
-    step: jax.Array,
-    page_size: int,
-    *,
-    mask_pages: bool = True,
+    cached: jax.Array, table: jax.Array, active: jax.Array, step: jax.Array, page_size: int
 ) -> jaxpaged.StepMetadata:
     """The metadata of a block's decode step `step`, written out for its one token per row:
     row s, when `active`, appends the token at position `cached[s] + step` to its pages
-    `table[s]` (reserved before the loop), else it is padding (kv_len 0, slot -1, position 0,
-    and with `mask_pages` no pages: the prefix-group search reads the page table; attention
-    reads no page of a row of length 0). Equal to `StepMetadata.build` over these rows,
-    without its ragged path (the token search, the sanitizing, their reductions)."""
+    `table[s]` (reserved before the loop), else it is padding (kv_len 0, slot -1, position 0).
+    Equal to `StepMetadata.build` over these rows, without its ragged path (the token search,
+    the sanitizing, their reductions): ~10 small kernels fewer in every step."""
     num_rows = cached.shape[0]
     pos = cached + step
     page = jnp.take_along_axis(table, (pos // page_size)[:, None], axis=1, mode="clip")[:, 0]
     return jaxpaged.StepMetadata(
         kv_lens=jnp.where(active, pos + 1, 0),
-        page_indices=jnp.where(active[:, None], table, -1) if mask_pages else table,
+        page_indices=jnp.where(active[:, None], table, -1),
         cu_q_lens=jnp.arange(num_rows + 1, dtype=jnp.int32),
         num_seqs=jnp.int32(num_rows),
         positions=jnp.where(active, pos, 0),
@@ -367,7 +360,6 @@ def decode_block(
     _, table = jaxpaged.batch_metadata(pool, seq_ids)
     init = (
         jnp.int32(0),
-        (limit > 0) & jnp.any(inputs.budgets > 0),
         kv_pages,
         inputs.tokens,
         inputs.budgets,
@@ -377,12 +369,11 @@ def decode_block(
     )
 
     def cond(carry):
-        # Whether another step runs, computed by the step before (fused with its other
-        # reductions), so the condition itself launches no kernel of its own.
-        return carry[1]
+        step, _, _, budgets, _, _, _ = carry
+        return (step < limit) & jnp.any(budgets > 0)
 
     def body(carry):
-        step, _, kv_pages, tokens, budgets, out_tokens, out_logprobs, shared = carry
+        step, kv_pages, tokens, budgets, out_tokens, out_logprobs, shared = carry
         # A row still active has run every step before this one.
         active = budgets > 0
         kv_pages, meta, hidden, model = _run_model(
@@ -390,10 +381,7 @@ def decode_block(
             params,
             kv_pages,
             tokens,
-            # Without sharing, an inactive row's pages are never read (kv_len 0): no select.
-            _decode_metadata(
-                cached, table, active, step, pool.page_size, mask_pages=shared_prefix is not None
-            ),
+            _decode_metadata(cached, table, active, step, pool.page_size),
             page_size=pool.page_size,
             implementation=implementation,
             shared_prefix=shared_prefix,
@@ -408,10 +396,9 @@ def decode_block(
         out_logprobs = out_logprobs.at[step].set(jnp.where(active, logprobs, 0.0))
         tokens = jnp.where(active, new, tokens)
         shared = shared + _uses_shared_prefix(meta)
-        running = (step + 1 < limit) & jnp.any(budgets > 0)
-        return step + 1, running, kv_pages, tokens, budgets, out_tokens, out_logprobs, shared
+        return step + 1, kv_pages, tokens, budgets, out_tokens, out_logprobs, shared
 
-    steps, _, kv_pages, tokens, budgets, out_tokens, out_logprobs, shared = jax.lax.while_loop(
+    steps, kv_pages, tokens, budgets, out_tokens, out_logprobs, shared = jax.lax.while_loop(
         cond, body, init
     )
     counts = jnp.sum(out_tokens >= 0, axis=0, dtype=jnp.int32)
