@@ -187,7 +187,8 @@ def _decode_metadata(
     row s, when `active`, appends the token at position `cached[s] + step` to its pages
     `table[s]` (reserved before the loop), else it is padding (kv_len 0, slot -1, position 0).
     Equal to `StepMetadata.build` over these rows, without its ragged path (the token search,
-    the sanitizing, their reductions): ~10 small kernels fewer in every step."""
+    the sanitizing, their reductions), which cost every step 5-8 small kernels more
+    (benchmarks/NOTES.md, session 23)."""
     num_rows = cached.shape[0]
     pos = cached + step
     page = jnp.take_along_axis(table, (pos // page_size)[:, None], axis=1, mode="clip")[:, 0]
