@@ -58,13 +58,16 @@ def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 GREEDY, DRAW, FILTERED_DRAW = 0, 1, 2  # `sample`'s cases
 
 
+def _filters(temperatures, top_k, top_p):
+    """bool[S]: the rows that sample through the top-k / top-p filters (NumPy or JAX)."""
+    return (temperatures > 0) & ((top_k > 0) | (top_p < 1.0))
+
+
 def sampling_case(temperatures, top_k, top_p) -> int:
     """The `sample` case that rows with these parameters (host arrays) need: GREEDY when no
     row samples, DRAW when none filters, else FILTERED_DRAW. A case covers the ones below it."""
     temperatures, top_k, top_p = (np.asarray(a) for a in (temperatures, top_k, top_p))
-    draws = temperatures > 0
-    filters = draws & ((top_k > 0) | (top_p < 1.0))
-    return int(draws.any()) + int(filters.any())
+    return int((temperatures > 0).any()) + int(_filters(temperatures, top_k, top_p).any())
 
 
 def sample(
@@ -91,7 +94,7 @@ def sample(
     temperatures = params.temperatures
     # Which branch runs depends on the batch but no row's sample does: rows with top_k 0 and
     # top_p 1 come back from the filters unchanged, and rows at temperature 0 take the argmax.
-    filters = (temperatures > 0) & ((params.top_k > 0) | (params.top_p < 1.0))
+    filters = _filters(temperatures, params.top_k, params.top_p)
 
     def draw(x, *, filtered=False):
         x = x / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
