@@ -181,20 +181,27 @@ def _forward(
 
 
 def _decode_metadata(
-    cached: jax.Array, table: jax.Array, active: jax.Array, step: jax.Array, page_size: int
+    cached: jax.Array,
+    table: jax.Array,
+    active: jax.Array,
+    step: jax.Array,
+    page_size: int,
+    *,
+    mask_pages: bool = True,
 ) -> jaxpaged.StepMetadata:
     """The metadata of a block's decode step `step`, written out for its one token per row:
     row s, when `active`, appends the token at position `cached[s] + step` to its pages
-    `table[s]` (reserved before the loop), else it is padding (kv_len 0, slot -1, position 0).
-    Equal to `StepMetadata.build` over these rows, without its ragged path (the token search,
-    the sanitizing, their reductions), which cost every step 5-8 small kernels more
-    (benchmarks/NOTES.md, session 23)."""
+    `table[s]` (reserved before the loop), else it is padding (kv_len 0, slot -1, position 0,
+    and with `mask_pages` no pages: the prefix-group search reads the page table; attention
+    reads no page of a row of length 0). Equal to `StepMetadata.build` over these rows,
+    without its ragged path (the token search, the sanitizing, their reductions), which cost
+    every step 5-8 small kernels more (benchmarks/NOTES.md, session 23)."""
     num_rows = cached.shape[0]
     pos = cached + step
     page = jnp.take_along_axis(table, (pos // page_size)[:, None], axis=1, mode="clip")[:, 0]
     return jaxpaged.StepMetadata(
         kv_lens=jnp.where(active, pos + 1, 0),
-        page_indices=jnp.where(active[:, None], table, -1),
+        page_indices=jnp.where(active[:, None], table, -1) if mask_pages else table,
         cu_q_lens=jnp.arange(num_rows + 1, dtype=jnp.int32),
         num_seqs=jnp.int32(num_rows),
         positions=jnp.where(active, pos, 0),
@@ -382,7 +389,10 @@ def decode_block(
             params,
             kv_pages,
             tokens,
-            _decode_metadata(cached, table, active, step, pool.page_size),
+            # Without sharing, an inactive row's pages are never read (kv_len 0): no select.
+            _decode_metadata(
+                cached, table, active, step, pool.page_size, mask_pages=shared_prefix is not None
+            ),
             page_size=pool.page_size,
             implementation=implementation,
             shared_prefix=shared_prefix,

@@ -254,18 +254,20 @@ def test_request_arriving_during_a_block_waits_at_most_that_block():
     assert late.num_cached == len(late.tokens) - 1 and len(late.output) == 1
 
 
+@pytest.mark.parametrize("mask_pages", [True, False])
 @pytest.mark.parametrize("step", [0, 5, 13])
-def test_block_decode_metadata_equals_the_ragged_build(step):
+def test_block_decode_metadata_equals_the_ragged_build(step, mask_pages):
     """A block step's metadata, written out for one token per row, is `StepMetadata.build`'s
     for the same rows: kv_lens, slots and the pages of active rows, positions where a row is
-    active (0 for padding), across page boundaries and for rows with no pages."""
+    active (0 for padding), across page boundaries and for rows with no pages. Without
+    `mask_pages` inactive rows keep their pages (their kv_len 0 reads none)."""
     rng = np.random.default_rng(step)
     rows, pages_per_seq, page_size, num_pages = 12, 6, 4, 96
     cached = jnp.asarray(rng.integers(0, pages_per_seq * page_size - 16, rows), jnp.int32)
     table = rng.permutation(num_pages)[: rows * pages_per_seq].reshape(rows, pages_per_seq)
     table = jnp.asarray(table, jnp.int32).at[3].set(-1)  # a padding row: no pages
     active = jnp.asarray(rng.random(rows) < 0.7).at[3].set(False).at[0].set(True)
-    got = _decode_metadata(cached, table, active, jnp.int32(step), page_size)
+    got = _decode_metadata(cached, table, active, jnp.int32(step), page_size, mask_pages=mask_pages)
     want = jaxpaged.StepMetadata.build(
         jnp.where(active, cached + step + 1, 0),
         jnp.where(active[:, None], table, -1),
@@ -275,8 +277,9 @@ def test_block_decode_metadata_equals_the_ragged_build(step):
         decode=True,
         pool_shape=(num_pages, page_size),
     )
-    for name in ("kv_lens", "page_indices", "cu_q_lens", "num_seqs", "kv_slots"):
+    for name in ("kv_lens", "cu_q_lens", "num_seqs", "kv_slots"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    np.testing.assert_array_equal(got.page_indices, want.page_indices if mask_pages else table)
     np.testing.assert_array_equal(got.positions, jnp.where(active, want.positions, 0))
     assert got.decode and (np.asarray(got.kv_slots)[np.asarray(active)] >= 0).all()
 
