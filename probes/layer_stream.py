@@ -212,7 +212,7 @@ def main():
                         )
                         args_ = (x, ws)
                     jax.block_until_ready(fn(*args_))
-                    if name == "fused":  # the tiles' products are right where nothing is split
+                    if name == "fused":  # a smoke check only: the last tiles came out finite
                         out = fn(*args_)[0]
                         case["finite"] = bool(jnp.isfinite(out.astype(jnp.float32)).all())
                     us = kernel_time_ms(fn, *args_) * 1e3 / LAYERS
