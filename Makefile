@@ -11,6 +11,14 @@ TEST_ARGS ?=
 # file's compiled programs (one process for the whole suite crashed inside XLA's CPU compiler
 # near its end, session 10).
 TEST_WORKERS ?= 2
+# The suite's time on CPUs is mostly XLA compiling small programs once each. Two settings cut
+# it (session 26): XLA's compiled programs kept on disk and shared by the test processes (the
+# xdist workers and the subprocesses some tests start compile the same tiny decoder's steps),
+# and LLVM's level 1 instead of 3 for them (interpreted kernels compiled 32% faster; tests
+# compare programs compiled alike; `make demo` and the benchmarks keep the default).
+TEST_CACHE ?= $(CURDIR)/build/jax-cache
+TEST_ENV = JAX_COMPILATION_CACHE_DIR=$(TEST_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.25 \
+	XLA_FLAGS="--xla_backend_optimization_level=1 $(XLA_FLAGS)"
 
 .PHONY: demo test lint gpu-test clean
 
@@ -27,7 +35,7 @@ lint: $(VENV)/.installed-$(EXTRAS)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(TEST_ARGS)
+	$(TEST_ENV) $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_ARGS)
 
 gpu-test: $(VENV)/.installed-$(EXTRAS)
 	$(VENV)/bin/python -m pytest -q -m gpu $(TEST_ARGS)

@@ -42,6 +42,15 @@ def backend_params(cpu=("xla", "triton"), gpu=GPU_BACKENDS) -> list:
     ]
 
 
+def latin_square(a, b, c) -> list[tuple]:
+    """Every pair of values of `a`, `b` and `c` in len(a) * len(b) cases, not the whole product
+    (`c`'s value steps along the rows and columns of a Latin square): for the CPU matrices whose
+    failures come from one value or a pair (lowering, interpreted kernels), where the GPU runs
+    every combination. Needs len(c) <= min(len(a), len(b))."""
+    assert len(c) <= min(len(a), len(b)), (len(a), len(b), len(c))
+    return [(x, y, c[(i + j) % len(c)]) for i, x in enumerate(a) for j, y in enumerate(b)]
+
+
 def require(backend: str | None, ops=("ragged", "decode"), dtype=None) -> None:
     """Skip unless `backend` (None: the best one here) runs every op of `ops`, in `dtype`."""
     for op in ops:

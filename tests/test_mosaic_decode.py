@@ -21,7 +21,7 @@ import jaxpaged
 from pallas_kernels.common import poison_outputs
 from pallas_kernels.mosaic import paged_decode as mosaic
 from pallas_kernels.mosaic import slot_order
-from tests.helpers import assert_close, lower_for_hopper, make_batch, oracle
+from tests.helpers import assert_close, latin_square, lower_for_hopper, make_batch, oracle
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEADS = [(4, 4), (16, 4), (16, 2)]  # (Hq, Hkv): GQA groups 1, 4, 8
@@ -51,7 +51,9 @@ def _mosaic_fn(**options):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize(
+    "shape", latin_square([64, 128, 256], HEADS, [16, 64]), ids=_shape_id
+)  # every pair of values: the GPU tests run every shape
 def test_cross_lowers(shape, dtype):
     head_dim, (num_q_heads, num_kv_heads), page_size = shape
     args = _abstract_args(head_dim, num_q_heads, num_kv_heads, page_size, dtype)
