@@ -16,6 +16,8 @@ weights as M, x or the activation as N).
 Cases, per layer (16 layers with their own weights, 1.2 GB, past the 60 MB L2), CUPTI:
   - `fused`: the kernel, then XLA's sum of the partials (the next layer's input);
   - `fused_nosum`: the kernel alone, every layer reading the same x;
+  - `gateup_only`: the kernel's gate/up phase alone (its TB/s over the gate/up bytes);
+  - `nostore`: the kernel without the down partials' shared-memory stores;
   - `xla`: gate/up, SwiGLU and down as the step computes them.
 
     python -m probes.mlp_stream --rows 2 16 --out results.json
