@@ -34,8 +34,10 @@ Cases, per layer (16 layers, each with its own weights: 1.6 GB, past the 60 MB L
 
 import argparse
 import functools
+import glob
 import itertools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -74,13 +76,27 @@ def looped(fn):
     return jax.jit(run, compiler_options=GRAPH_OPTIONS)
 
 
-def stream(x, w, *, phase_cols, tile_k=128, stages=4, barriers=True, num_programs=None, pdl=False):
+def stream(
+    x,
+    w,
+    *,
+    phase_cols,
+    tile_k=128,
+    stages=4,
+    barriers=True,
+    num_programs=None,
+    pdl=False,
+    profile_dir=None,
+):
     """One call of the skeleton: x [R, K] (R a multiple of 8), w [K, sum(phase_cols)].
     Returns each program's last tile ([P, R, 64] bf16), so that nothing is dead.
 
     `pdl`: launched as a programmatic dependent of the kernel before, each program lets the
     kernel after it launch at once, prefetches its first `stages` weight tiles into the L2,
-    and only then waits for the kernel before to finish (weights do not depend on it)."""
+    and only then waits for the kernel before to finish (weights do not depend on it).
+
+    `profile_dir`: Mosaic GPU's in-kernel profiler writes each program's "kernel" scope and
+    its barrier waits ("barrier0", ...) there (`barrier_trace` reads them)."""
     rows, k = x.shape
     n = w.shape[1]
     assert n == sum(phase_cols) and k % tile_k == 0 and rows % 8 == 0
@@ -116,6 +132,7 @@ def stream(x, w, *, phase_cols, tile_k=128, stages=4, barriers=True, num_program
             for b in range(num_barriers):
 
                 @pl.when(live & (i == local[b + 1]))
+                @jax.named_scope(f"barrier{b}")
                 def _(b=b):
                     plgpu.semaphore_signal(sems.at[b], 1, memory_scope="gpu")
                     plgpu.semaphore_wait(
@@ -146,33 +163,39 @@ def stream(x, w, *, phase_cols, tile_k=128, stages=4, barriers=True, num_program
 
             return jnp.where(col < jnp.where(ends, 0, TILE_N), acc, jnp.zeros_like(acc))
 
-        if pdl:
-            plgpu.griddepcontrol_launch_dependents()
-            for i in range(stages):
-                g = iteration(jnp.int32(i))
-                k_step, col = lax.rem(g, k_steps), g // k_steps
-                plgpu.async_prefetch(
-                    w_ref.at[pl.ds(k_step * tile_k, tile_k), pl.ds(col * TILE_N, TILE_N)],
-                    predicate=i < count,
-                )
-            plgpu.griddepcontrol_wait()
-        zero = plgpu.layout_cast(jnp.zeros((TILE_N, rows), jnp.float32), plgpu.Layout.WGMMA)
-        plgpu.emit_pipeline(
-            step,
-            grid=(max_count,),
-            in_specs=[
-                plgpu.BlockSpec(
-                    (rows, tile_k), lambda i: (0, lax.rem(iteration(i), k_steps)), transforms=TILED
-                ),
-                plgpu.BlockSpec(
-                    (tile_k, TILE_N),
-                    lambda i: (lax.rem(iteration(i), k_steps), iteration(i) // k_steps),
-                    transforms=TILED,
-                ),
-            ],
-            max_concurrent_steps=stages,
-            init_carry=zero,
-        )(x_ref, w_ref)
+        def run_stream():
+            if pdl:
+                plgpu.griddepcontrol_launch_dependents()
+                for i in range(stages):
+                    g = iteration(jnp.int32(i))
+                    k_step, col = lax.rem(g, k_steps), g // k_steps
+                    plgpu.async_prefetch(
+                        w_ref.at[pl.ds(k_step * tile_k, tile_k), pl.ds(col * TILE_N, TILE_N)],
+                        predicate=i < count,
+                    )
+                plgpu.griddepcontrol_wait()
+            zero = plgpu.layout_cast(jnp.zeros((TILE_N, rows), jnp.float32), plgpu.Layout.WGMMA)
+            plgpu.emit_pipeline(
+                step,
+                grid=(max_count,),
+                in_specs=[
+                    plgpu.BlockSpec(
+                        (rows, tile_k),
+                        lambda i: (0, lax.rem(iteration(i), k_steps)),
+                        transforms=TILED,
+                    ),
+                    plgpu.BlockSpec(
+                        (tile_k, TILE_N),
+                        lambda i: (lax.rem(iteration(i), k_steps), iteration(i) // k_steps),
+                        transforms=TILED,
+                    ),
+                ],
+                max_concurrent_steps=stages,
+                init_carry=zero,
+            )(x_ref, w_ref)
+
+        with jax.named_scope("kernel"):
+            run_stream()
 
     return plgpu.kernel(
         layer_stream,
@@ -180,7 +203,40 @@ def stream(x, w, *, phase_cols, tile_k=128, stages=4, barriers=True, num_program
         grid=(num_programs,),
         grid_names=("program",),
         scratch_types=(plgpu.SMEM((rows, TILE_N), x.dtype),),
+        compiler_params=plgpu.CompilerParams(
+            **(dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {})
+        ),
     )(x, w)
+
+
+def barrier_trace(path, sm_ghz=1.98):
+    """Per barrier of one profiled call: how far apart the programs arrive (max - min, us),
+    how long after the last arrival they leave (median), and how far apart they leave.
+
+    The profiler's timestamps are the program's start on the global timer (ns) plus SM clock
+    cycles since then; `sm_ghz` turns the cycles into ns (the clock holds 1980 MHz under
+    load, NOTES session 7)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    start, spans = {}, {}
+    for e in events:
+        if e["name"] == "kernel" and e["ph"] == "B":
+            start[e["tid"]] = e["ts"]
+    for e in events:
+        t0 = start[e["tid"]]
+        real = t0 + (e["ts"] - t0) / sm_ghz
+        spans.setdefault((e["name"], e["ph"]), []).append(real)
+    report = {}
+    for name in sorted({n for n, _ in spans}):
+        begin, end = sorted(spans[name, "B"]), sorted(spans[name, "E"])
+        report[name] = dict(
+            programs=len(begin),
+            arrive_spread_us=begin[-1] - begin[0],
+            leave_after_last_arrival_us=end[len(end) // 2] - begin[-1],
+            leave_spread_us=end[-1] - end[0],
+            first_arrival_us=begin[0] - min(start.values()),
+        )
+    return report
 
 
 def fused_layers(xs, ws, **kw):
@@ -213,6 +269,7 @@ def main():
         "--cases", nargs="+", default=["fused", "fused_nobarrier", "per_phase", "xla"]
     )
     parser.add_argument("--out")
+    parser.add_argument("--profile-dir", help="also trace one call of `fused` per row count")
     args = parser.parse_args()
     keys = map(functools.partial(jax.random.fold_in, jax.random.key(0)), itertools.count())
     dt = jnp.bfloat16
@@ -270,6 +327,16 @@ def main():
                     case["error"] = error_text(e)
                 print(json.dumps(case), flush=True)
                 cases.append(case)
+        if args.profile_dir:
+            directory = os.path.join(args.profile_dir, f"rows{rows}")
+            os.makedirs(directory, exist_ok=True)
+            fn = jax.jit(functools.partial(fused_layers, profile_dir=directory))
+            jax.block_until_ready(fn(x, ws))
+            for path in sorted(glob.glob(os.path.join(directory, "*.json")))[-LAYERS:]:
+                trace = dict(case="trace", rows=rows, file=os.path.basename(path))
+                trace.update(barrier_trace(path))
+                print(json.dumps(trace), flush=True)
+                cases.append(trace)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment(), probe="layer_stream", cases=cases), f, indent=1)
