@@ -12,14 +12,13 @@ TEST_ARGS ?=
 # near its end, session 10).
 TEST_WORKERS ?= 2
 # The suite's time on CPUs is mostly XLA compiling small programs once each. Two settings cut
-# it (sessions 26-27): XLA's compiled programs kept on disk and shared by the test processes
-# (the xdist workers and the subprocesses some tests start compile the same tiny decoder's
-# steps), and LLVM's level 1 instead of 3 without its expensive passes (interpreted kernels
-# compiled 32% faster, engine tests 6-14% more; tests compare programs compiled alike; `make
-# demo` and the benchmarks keep the defaults).
+# it (session 26): XLA's compiled programs kept on disk and shared by the test processes (the
+# xdist workers and the subprocesses some tests start compile the same tiny decoder's steps),
+# and LLVM's level 1 instead of 3 for them (interpreted kernels compiled 32% faster; tests
+# compare programs compiled alike; `make demo` and the benchmarks keep the default).
 TEST_CACHE ?= $(CURDIR)/build/jax-cache
 TEST_ENV = JAX_COMPILATION_CACHE_DIR=$(TEST_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.25 \
-	XLA_FLAGS="--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true $(XLA_FLAGS)"
+	XLA_FLAGS="--xla_backend_optimization_level=1 $(XLA_FLAGS)"
 
 .PHONY: demo test lint gpu-test clean
 

@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     if len(a.suite) > 1 and "{suite}" not in a.out:
         parser.error("--out needs '{suite}' when several suites run")
-    iterations = 3 if a.smoke else 20
+    iterations = 1 if a.smoke else 20
     options = dict(interpret=a.smoke, iterations=iterations, smoke=a.smoke)
     for suite in a.suite:
         start = time.monotonic()

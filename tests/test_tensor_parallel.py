@@ -1,4 +1,4 @@
-"""Tensor parallelism: the decoder and engine on meshes of 1, 2 and 4 devices give the logits and
+"""Tensor parallelism: the decoder and engine on meshes of 2 and 4 devices give the logits and
 tokens of one device, with one all-reduce per row-parallel projection in the compiled steps.
 
 The meshes are of host (CPU) devices on every machine, so the same tests run in CI and on the GPU
@@ -84,11 +84,12 @@ PROMPTS = [np.random.default_rng(i).integers(0, 512, n).tolist() for i, n in enu
 
 
 @needs_host_devices
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("chunk", [None, 16], ids=["single-shot", "chunked"])
 def test_same_logits_and_tokens_on_every_mesh(tp, chunk):
     """Prompt logits within float32 reordering of one device's, the same greedy tokens, and
-    the same outputs from decode blocks."""
+    the same outputs from decode blocks. (A mesh of one device runs the same sharded program
+    with nothing split; its case cost CI ~20 s of compiles and was dropped, session 27.)"""
     changes = {} if chunk is None else dict(chunk_size=chunk)
     params = SamplingParams(12)
     ref = _engine(None, **changes).generate(PROMPTS, params, record_prompt_logits=True)
