@@ -78,7 +78,7 @@ DECODE_SMOKE = (
 PROMPTS = ((1, 8192), (4, 2048), (1, 512), (1, 2048), (1, 16384))
 CHUNKS = ((512, 2048), (2048, 8192), (512, 8192), (2048, 2048))
 CHUNK_SEQS = 4
-PROMPTS_SMOKE, CHUNKS_SMOKE = ((1, 128), (2, 64)), ((16, 48),)
+PROMPTS_SMOKE, CHUNKS_SMOKE = ((1, 64),), ((16, 48),)
 # Mixed: arguments of `benchmarks.inputs.mixed_batches`.
 MIXED = (
     dict(num_chunks=4, chunk=512, prefix=2048, num_decode=60),

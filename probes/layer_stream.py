@@ -42,7 +42,10 @@ import os
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import memref
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.common import environment, error_text, kernel_time_ms, step_time_ms
@@ -66,8 +69,7 @@ def looped(fn):
 
     def run(x, ws):
         def body(_, x):
-            outs = fn(x, ws)
-            outs = outs if isinstance(outs, list) else [outs]
+            outs = jax.tree.leaves(fn(x, ws))
             dep = sum(o.reshape(-1)[:1].astype(jnp.float32) for o in outs) * 0
             return x + dep.astype(x.dtype)[None]
 
@@ -209,6 +211,257 @@ def stream(
     )(x, w)
 
 
+def _select(values, index):
+    """values[index] for a static list and a traced index (Mosaic GPU indexes no constants)."""
+    out = jnp.int32(values[0])
+    for j, v in enumerate(values[1:], 1):
+        out = jnp.where(index == j, jnp.int32(v), out)
+    return out
+
+
+def _fetch_add(counter, claim_smem):
+    """claim_smem[0] = atomicAdd(counter, 1) for the whole warpgroup: one thread's relaxed
+    GPU-scope `atom.add` (Pallas' `atomic_add` returns nothing), handed to the others through
+    shared memory and a warpgroup barrier."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def fetch(ctx, counter_ref, out_ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        ptr = mgpu_utils.memref_ptr(counter_ref)
+        with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
+            old = mgpu_utils.inline_ptx(
+                "atom.relaxed.gpu.global.add.u32 $0, [$1], $2;",
+                ptr,
+                mgpu_utils.c(1, i32),
+                result_types=i32,
+                has_side_effects=True,
+            )
+            memref.store(old, out_ref, [mgpu_utils.c(0, ir.IndexType.get())])
+        mgpu_utils.warpgroup_barrier()
+
+    fetch(counter, claim_smem)
+
+
+def stream_ws(
+    x,
+    w,
+    *,
+    phase_cols,
+    tile_k=128,
+    stages=4,
+    barriers=True,
+    tail=0.0,
+    chunk=2,
+    num_programs=None,
+    profile_dir=None,
+):
+    """The skeleton of `stream` in two warpgroups, with the tail of each phase handed out at
+    run time. x [R, K] (R a multiple of 8), w [K, sum(phase_cols)]; returns each program's last
+    tile ([P, R, 64] bf16) and per program and phase the number and the sum of the iterations it
+    ran ([P, phases, 2] int32: summed over programs, they show each iteration ran once).
+
+    A copy warpgroup issues each iteration's x and weight tiles into `stages` shared-memory
+    slots and writes the slot's iteration (global index, phase, whether its tile ends there)
+    beside it; a compute warpgroup runs the `wgmma`s, stores each finished tile, and before a
+    phase's first iteration waits at the grid barrier (`barriers`). Of each phase's
+    iterations the first `1 - tail` are split in equal contiguous static shares; the rest go
+    in runs of `chunk` iterations to whichever program asks first: a program done with its
+    static share takes the next run from the phase's counter (`_fetch_add`) until none is
+    left, then goes on to its share of the next phase. The copy warpgroup asks, so the
+    counter's latency sits behind the copies it already has in flight. With `tail=0` the
+    shares are static, as in `stream`. `profile_dir`: as `stream`'s, the compute warpgroup's
+    scopes."""
+    rows, k = x.shape
+    n = w.shape[1]
+    assert n == sum(phase_cols) and k % tile_k == 0 and rows % 8 == 0
+    k_steps = k // tile_k
+    sizes = [c // TILE_N * k_steps for c in phase_cols]
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    num_programs = min(num_programs or device_num_sms(), min(sizes))
+    statics = [round((1 - tail) * z) for z in sizes]  # the statically shared iterations
+    phases = len(sizes)
+    num_barriers = phases - 1 if barriers else 0
+
+    def kernel(x_ref, w_ref, out_ref, ran_ref, x_smem, w_smem, meta_smem, claim_smem, y_smem, bars):
+        ready, free = bars
+        program = lax.axis_index("program")
+        wg = lax.axis_index("wg")
+        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((max(num_barriers, 1),)))
+        counters = pl.get_global(plgpu.SemaphoreType.REGULAR((phases,)))
+
+        def static_share(j):
+            s = _select(statics, j)
+            return program * s // num_programs, (program + 1) * s // num_programs
+
+        @pl.when(wg == 1)
+        def _copies():
+            def claim(j):
+                """The next run of phase j's tail: (start, end), start >= size when none."""
+                for p in range(phases):
+                    if statics[p] < sizes[p]:
+                        pl.when(j == p)(lambda p=p: _fetch_add(counters.at[p], claim_smem))
+                c = claim_smem[0]
+                start = _select(statics, j) + c * chunk
+                has_tail = (
+                    _select([int(s < z) for s, z in zip(statics, sizes, strict=True)], j) == 1
+                )
+                start = jnp.where(has_tail, start, _select(sizes, j))
+                return start, jnp.minimum(start + chunk, _select(sizes, j))
+
+            def next_run(j, u, end, in_tail):
+                """After iteration u - 1 of phase j: the next (j, u, end, in_tail)."""
+                start, stop = claim(j)
+                more = start < _select(sizes, j)
+                lo, hi = static_share(j + 1)
+                return (
+                    jnp.where(more, j, j + 1),
+                    jnp.where(more, start, lo),
+                    jnp.where(more, stop, hi),
+                    more,
+                )
+
+            def cond(carry):
+                return carry[0] < phases
+
+            def body(carry):
+                j, u, end, in_tail, n_ = carry
+                slot = lax.rem(n_, stages)
+
+                @pl.when(n_ >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
+
+                g = _select(starts, j) + u
+                k_step, col = lax.rem(g, k_steps), g // k_steps
+                meta_smem[slot, 0] = g
+                meta_smem[slot, 1] = j
+                meta_smem[slot, 2] = ((k_step == k_steps - 1) | (u + 1 == end)).astype(jnp.int32)
+                plgpu.copy_gmem_to_smem(
+                    x_ref.at[:, pl.ds(k_step * tile_k, tile_k)], x_smem.at[slot], ready.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    w_ref.at[pl.ds(k_step * tile_k, tile_k), pl.ds(col * TILE_N, TILE_N)],
+                    w_smem.at[slot],
+                    ready.at[slot],
+                )
+                u = u + 1
+                j2, u2, end2, tail2 = lax.cond(
+                    u == end,
+                    next_run,
+                    lambda j, u, end, t: (j, u, end, t),
+                    j,
+                    u,
+                    end,
+                    in_tail,
+                )
+                return j2, u2, end2, tail2, n_ + 1
+
+            lo, hi = static_share(jnp.int32(0))
+            *_, count = lax.while_loop(
+                cond, body, (jnp.int32(0), lo, hi, jnp.bool_(False), jnp.int32(0))
+            )
+            slot = lax.rem(count, stages)  # the end: a slot that names phase `phases`
+
+            @pl.when(count >= stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+
+            meta_smem[slot, 1] = jnp.int32(phases)
+            plgpu.barrier_arrive(ready.at[slot])
+            plgpu.barrier_arrive(ready.at[slot])
+
+        @pl.when(wg == 0)
+        @jax.named_scope("kernel")
+        def _compute():
+            zero = plgpu.layout_cast(jnp.zeros((TILE_N, rows), jnp.float32), plgpu.Layout.WGMMA)
+
+            def read(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(ready.at[slot])
+                return meta_smem[slot, 0], meta_smem[slot, 1], meta_smem[slot, 2]
+
+            def cond(carry):
+                return carry[3] < phases
+
+            def body(carry):
+                i, acc, prev, phase, g, ends, ran = carry
+                ran = tuple(
+                    (n_ + (phase == p).astype(jnp.int32), s + jnp.where(phase == p, g, 0))
+                    for p, (n_, s) in enumerate(ran)
+                )
+                slot = lax.rem(i, stages)
+                for b in range(num_barriers):
+
+                    @pl.when((phase != prev) & (phase == b + 1))
+                    @jax.named_scope(f"barrier{b}")
+                    def _(b=b):
+                        plgpu.semaphore_signal(sems.at[b], 1, memory_scope="gpu")
+                        plgpu.semaphore_wait(
+                            sems.at[b], num_programs, decrement=False, memory_scope="gpu"
+                        )
+
+                def mma(acc_ref):
+                    plgpu.wgmma(
+                        acc_ref,
+                        w_smem.at[slot].transpose((1, 0)),
+                        x_smem.at[slot].transpose((1, 0)),
+                    )
+
+                acc = pl.run_state(mma)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(free.at[slot])
+
+                @pl.when(ends == 1)
+                def _():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    y_smem.T[...] = acc.astype(y_smem.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(y_smem, out_ref.at[program])
+
+                col = plgpu.broadcasted_iota(
+                    jnp.int32, (TILE_N, rows), 0, layout=plgpu.Layout.WGMMA
+                )
+                acc = jnp.where(col < jnp.where(ends == 1, 0, TILE_N), acc, jnp.zeros_like(acc))
+                g2, phase2, ends2 = read(i + 1)
+                return i + 1, acc, phase, phase2, g2, ends2, ran
+
+            g, phase, ends = read(jnp.int32(0))
+            none = ((jnp.int32(0), jnp.int32(0)),) * phases
+            *_, ran = lax.while_loop(
+                cond, body, (jnp.int32(0), zero, jnp.int32(0), phase, g, ends, none)
+            )
+            for p, (n_, s) in enumerate(ran):
+                ran_ref[program, p, 0] = n_
+                ran_ref[program, p, 1] = s
+            plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((num_programs, rows, TILE_N), x.dtype),
+            jax.ShapeDtypeStruct((num_programs, phases, 2), jnp.int32),
+        ),
+        grid=(num_programs,),
+        grid_names=("program",),
+        num_threads=2,
+        thread_name="wg",
+        scratch_types=(
+            plgpu.SMEM((stages, rows, tile_k), x.dtype, transforms=TILED),
+            plgpu.SMEM((stages, tile_k, TILE_N), x.dtype, transforms=TILED),
+            plgpu.SMEM((stages, 4), jnp.int32),
+            plgpu.SMEM((1,), jnp.int32),
+            plgpu.SMEM((rows, TILE_N), x.dtype),
+            (
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_barriers=stages),
+            ),
+        ),
+        compiler_params=plgpu.CompilerParams(
+            **(dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {})
+        ),
+    )(x, w)
+
+
 def barrier_trace(path, sm_ghz=1.98):
     """Per barrier of one profiled call: how far apart the programs arrive (max - min, us),
     how long after the last arrival they leave (median), and how far apart they leave.
@@ -222,6 +475,8 @@ def barrier_trace(path, sm_ghz=1.98):
     for e in events:
         if e["name"] == "kernel" and e["ph"] == "B":
             start[e["tid"]] = e["ts"]
+    for e in sorted(events, key=lambda e: e["ts"]):  # else a program's first event starts it
+        start.setdefault(e["tid"], e["ts"])
     for e in events:
         t0 = start[e["tid"]]
         real = t0 + (e["ts"] - t0) / sm_ghz
@@ -243,6 +498,19 @@ def fused_layers(xs, ws, **kw):
     return [stream(xs, w, phase_cols=PHASE_COLS, **kw) for w in ws]
 
 
+def ws_layers(xs, ws, **kw):
+    return [stream_ws(xs, w, phase_cols=PHASE_COLS, **kw) for w in ws]
+
+
+def covers_every_iteration(ran, k_steps) -> bool:
+    """Whether `stream_ws`'s per-program counts and sums of iterations ([P, phases, 2], one
+    layer's) add up to every iteration of every phase once."""
+    sizes = [c // TILE_N * k_steps for c in PHASE_COLS]
+    total = jnp.sum(ran, axis=0).tolist()  # sums < 2**31: 6,144 iterations a layer
+    starts = itertools.accumulate([0, *sizes])
+    return total == [[z, sum(range(s, s + z))] for z, s in zip(sizes, starts, strict=False)]
+
+
 def per_phase_layers(xs, wss, **kw):
     return [stream(xs, w, phase_cols=(w.shape[1],), barriers=False, **kw) for ws in wss for w in ws]
 
@@ -259,12 +527,31 @@ def xla_layers(x, weights):
     return x
 
 
+def traces(profile_dir, case, x, ws):
+    """`barrier_trace` of each layer of one profiled call of a barriered case."""
+    kw = {k: case[k] for k in ("stages", "tile_k", "num_programs", "tail", "chunk") if k in case}
+    tag = "_".join(f"{k}{v}" for k, v in sorted(kw.items()))
+    directory = os.path.join(profile_dir, f"{case['case']}_rows{case['rows']}_{tag}")
+    os.makedirs(directory, exist_ok=True)
+    layers = fused_layers if case["case"] == "fused" else ws_layers
+    jax.block_until_ready(jax.jit(functools.partial(layers, profile_dir=directory, **kw))(x, ws))
+    out = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.json")))[-LAYERS:]:
+        trace = dict(case="trace", of=case["case"], rows=case["rows"], **kw)
+        trace.update(file=os.path.basename(path), **barrier_trace(path))
+        print(json.dumps(trace), flush=True)
+        out.append(trace)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[2, 16])
     parser.add_argument("--stages", type=int, nargs="+", default=[4])
     parser.add_argument("--tile-k", type=int, nargs="+", default=[128])
     parser.add_argument("--programs", type=int, nargs="+", default=[None])
+    parser.add_argument("--tails", type=float, nargs="+", default=[0.1], help="ws_dynamic")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2], help="ws_dynamic")
     parser.add_argument(
         "--cases", nargs="+", default=["fused", "fused_nobarrier", "per_phase", "xla"]
     )
@@ -293,6 +580,13 @@ def main():
                     for p in args.programs
                 ]
             )
+            if name.startswith("ws_dynamic"):
+                configs = [
+                    dict(kw, tail=tail, chunk=c)
+                    for kw in configs
+                    for tail in args.tails
+                    for c in args.chunks
+                ]
             for kw in configs:
                 case = dict(case=name, rows=rows, **kw)
                 try:
@@ -303,6 +597,12 @@ def main():
                         ]
                         fn = jax.jit(xla_layers)
                         args_ = (x[:rows], xw)
+                    elif name.startswith("ws"):
+                        barriers = not name.endswith("nobarrier")
+                        fn = jax.jit(functools.partial(ws_layers, barriers=barriers, **kw))
+                        args_ = (x, ws)
+                        _, ran = fn(*args_)[0]
+                        case["covered"] = covers_every_iteration(ran, HIDDEN // kw["tile_k"])
                     elif name in ("per_phase", "per_phase_pdl"):
                         kw_ = dict(kw, pdl=name == "per_phase_pdl")
                         fn = jax.jit(functools.partial(per_phase_layers, **kw_))
@@ -327,16 +627,8 @@ def main():
                     case["error"] = error_text(e)
                 print(json.dumps(case), flush=True)
                 cases.append(case)
-        if args.profile_dir:
-            directory = os.path.join(args.profile_dir, f"rows{rows}")
-            os.makedirs(directory, exist_ok=True)
-            fn = jax.jit(functools.partial(fused_layers, profile_dir=directory))
-            jax.block_until_ready(fn(x, ws))
-            for path in sorted(glob.glob(os.path.join(directory, "*.json")))[-LAYERS:]:
-                trace = dict(case="trace", rows=rows, file=os.path.basename(path))
-                trace.update(barrier_trace(path))
-                print(json.dumps(trace), flush=True)
-                cases.append(trace)
+                if args.profile_dir and name in ("fused", "ws", "ws_dynamic"):
+                    cases += traces(args.profile_dir, case, x, ws)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment(), probe="layer_stream", cases=cases), f, indent=1)
