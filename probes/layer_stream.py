@@ -27,7 +27,11 @@ Cases, per layer (16 layers, each with its own weights: 1.6 GB, past the 60 MB L
   - `per_phase_pdl`: the same with each kernel a programmatic dependent of the one before,
     its first weight tiles prefetched into the L2 before it waits (session 26);
   - `xla`: the four projections as the step computes them (x @ qkv, a slice @ o, @ gate/up,
-    SwiGLU @ down), each layer's input its predecessor's output.
+    SwiGLU @ down), each layer's input its predecessor's output;
+  - `ws`, `ws_nobarrier`: `fused` and `fused_nobarrier` in a copy and a compute warpgroup
+    (`stream_ws`, session 28);
+  - `ws_dynamic`, `ws_dynamic_nobarrier`: the same with the last `--tails` of each phase
+    handed out `--chunks` iterations at a time by a GMEM counter.
 
     python -m probes.layer_stream --rows 2 16 --out results.json
 """

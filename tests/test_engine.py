@@ -309,12 +309,12 @@ def test_block_updates_pages_and_pool_in_place_and_compiles_once():
 
 
 def test_soak_random_requests_each_equal_to_running_alone():
-    """120 requests of random prompt lengths, max_new_tokens, stop tokens and 1 to 3 samples
+    """200 requests of random prompt lengths, max_new_tokens, stop tokens and 1 to 3 samples
     arrive while others run, through a pool small enough to force preemptions; every sample
     finishes with the greedy output the request has alone (computed once without stop tokens,
     then cut at the first stop)."""
     rng = np.random.default_rng(7)
-    num_requests = 120
+    num_requests = 200
     prompts = [_prompt(int(rng.integers(1, 60)), 1000 + i) for i in range(num_requests)]
     max_new = rng.integers(1, 24, num_requests)
     alone_engine = _engine("xla", decode_steps=16, max_seqs=1, max_model_len=96)
@@ -340,8 +340,8 @@ def test_soak_random_requests_each_equal_to_running_alone():
                 seqs[i] = engine.add_request(prompts[i], params[i])
         engine.step()
     assert engine.scheduler.num_preemptions > 0 and engine.stats.cut_blocks > 0
-    assert sum(s.finish_reason == "stop" for s in seqs.values()) > 12
-    assert engine.stats.forked_samples > 60 and engine.stats.failed_forks == 0
+    assert sum(s.finish_reason == "stop" for s in seqs.values()) > 20
+    assert engine.stats.forked_samples > 100 and engine.stats.failed_forks == 0
     for i, seq in seqs.items():
         assert len(seq.samples) == params[i].n
         for sample in seq.samples:
