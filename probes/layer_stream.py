@@ -313,8 +313,10 @@ def stream_ws(
                 start = jnp.where(has_tail, start, _select(sizes, j))
                 return start, jnp.minimum(start + chunk, _select(sizes, j))
 
-            def next_run(j, u, end, in_tail):
-                """After iteration u - 1 of phase j: the next (j, u, end, in_tail)."""
+            def next_run(j, u, end):
+                """At the end of a run of phase j: the next (j, u, end), a claimed run of
+                phase j's tail or, when none is left, the static share of phase j + 1."""
+                del u, end
                 start, stop = claim(j)
                 more = start < _select(sizes, j)
                 lo, hi = static_share(j + 1)
@@ -322,14 +324,13 @@ def stream_ws(
                     jnp.where(more, j, j + 1),
                     jnp.where(more, start, lo),
                     jnp.where(more, stop, hi),
-                    more,
                 )
 
             def cond(carry):
                 return carry[0] < phases
 
             def body(carry):
-                j, u, end, in_tail, n_ = carry
+                j, u, end, n_ = carry
                 slot = lax.rem(n_, stages)
 
                 @pl.when(n_ >= stages)
@@ -350,21 +351,11 @@ def stream_ws(
                     ready.at[slot],
                 )
                 u = u + 1
-                j2, u2, end2, tail2 = lax.cond(
-                    u == end,
-                    next_run,
-                    lambda j, u, end, t: (j, u, end, t),
-                    j,
-                    u,
-                    end,
-                    in_tail,
-                )
-                return j2, u2, end2, tail2, n_ + 1
+                j, u, end = lax.cond(u == end, next_run, lambda *run: run, j, u, end)
+                return j, u, end, n_ + 1
 
             lo, hi = static_share(jnp.int32(0))
-            *_, count = lax.while_loop(
-                cond, body, (jnp.int32(0), lo, hi, jnp.bool_(False), jnp.int32(0))
-            )
+            *_, count = lax.while_loop(cond, body, (jnp.int32(0), lo, hi, jnp.int32(0)))
             slot = lax.rem(count, stages)  # the end: a slot that names phase `phases`
 
             @pl.when(count >= stages)
