@@ -1,0 +1,146 @@
+"""Probe: where the Mosaic decode kernel's ~7 us a layer go at B=1 (issue 20).
+
+At e2e's B=1 shape (`1b`: Hq 16, Hkv 8, D 128, pages of 16, 1,097 cached tokens in a table of
+76 pages) the kernel takes 6.95 us a call and XLA's split merge two kernels of ~1.3 us. The
+bytes need ~0.5 us. This probe separates the fixed cost from the per-key cost:
+
+  - CUPTI time of each kernel of one call, by cached length (1, 128, 1,097 tokens) and split
+    count (1, 2, 5 and `choose_num_splits`' choice);
+  - one profiled call at the e2e shape (Mosaic GPU's in-kernel profiler): per named region of
+    the kernel (`copy`, `compute0`, `wait_q`, `wait_k`, `wait_v`, `steps`, `epilogue`), when
+    the programs enter it after the first program starts, and how long they stay.
+
+With `--cold` every call first rewrites a 256 MB buffer (one XLA kernel, reported apart), so
+that the pages come from HBM, as they do in the model's step, not from the L2.
+
+    python -m probes.decode_b1 --out results.json
+"""
+
+import argparse
+import functools
+import glob
+import json
+import os
+import statistics
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+from benchmarks.common import environment, error_text
+from pallas_kernels.mosaic.paged_decode import paged_decode_attention
+
+HQ, HKV, D, PAGE = 16, 8, 128, 16
+TABLE_PAGES = 76  # e2e's B=1 table: 1,216 tokens
+NUM_PAGES = 512
+
+
+def inputs(kv_len: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    dt = jnp.bfloat16
+    q = jnp.asarray(rng.standard_normal((1, HQ, D)), dt)
+    k = jnp.asarray(rng.standard_normal((NUM_PAGES, PAGE, HKV, D)), dt)
+    v = jnp.asarray(rng.standard_normal((NUM_PAGES, PAGE, HKV, D)), dt)
+    table = jnp.asarray(rng.permutation(NUM_PAGES)[:TABLE_PAGES][None], jnp.int32)
+    return q, k, v, jnp.array([kv_len], jnp.int32), table
+
+
+def per_kernel_us(fn, *args, iterations=50):
+    """Median CUPTI time of each kernel of one call, in launch order: [(name, us)]."""
+    jax.block_until_ready(fn(*args))
+    _, timings = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+    names = [name for name, _ in timings[0]]
+    return [
+        (name, 1e3 * statistics.median(t[i][1] for t in timings)) for i, name in enumerate(names)
+    ]
+
+
+def timeline(path, sm_ghz=1.98):
+    """Per named region of one profiled call: programs, when they enter it after the first
+    program starts (median, max; us), and how long they stay (median, max; us).
+
+    A program's timestamps are its start on the global timer (ns) plus SM cycles since then
+    (`probes.layer_stream.barrier_trace`); a program's first event stands for its start."""
+    with open(path) as f:
+        events = sorted(json.load(f)["traceEvents"], key=lambda e: e["ts"])
+    start = {}
+    for e in events:
+        start.setdefault(e["tid"], e["ts"])
+    t0 = min(start.values())
+    open_, spans = {}, {}
+    for e in events:
+        real = start[e["tid"]] + (e["ts"] - start[e["tid"]]) / sm_ghz - t0
+        key = (e["tid"], e["name"])
+        if e["ph"] == "B":
+            open_[key] = real
+        elif key in open_:
+            spans.setdefault(e["name"], []).append((open_.pop(key), real))
+    report = {"program_start_spread_us": max(start.values()) - t0}
+    for name, s in sorted(spans.items()):
+        enter = [a for a, _ in s]
+        stay = [b - a for a, b in s]
+        report[name] = dict(
+            spans=len(s),
+            enter_median_us=statistics.median(enter),
+            enter_max_us=max(enter),
+            stay_median_us=statistics.median(stay),
+            stay_max_us=max(stay),
+            leave_max_us=max(b for _, b in s),
+        )
+    return report
+
+
+def cold(fn):
+    """`fn` after a kernel that rewrites a 256 MB buffer: the L2 (60 MB) holds none of fn's
+    inputs."""
+    return jax.jit(lambda big, *args: (big + 1, fn(*args)))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kv-lens", type=int, nargs="+", default=[1, 128, 1097])
+    parser.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2, 5], help="0: default")
+    parser.add_argument("--cold", action="store_true", help="inputs evicted from the L2")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    big = jnp.zeros((2**27,), jnp.bfloat16) if args.cold else None
+    wrap = cold if args.cold else jax.jit
+    prefix = (big,) if args.cold else ()
+    cases = []
+    for kv_len in args.kv_lens:
+        for splits in args.splits:
+            case = dict(case="cupti", kv_len=kv_len, splits=splits or "default", cold=args.cold)
+            fn = wrap(
+                functools.partial(
+                    paged_decode_attention, num_splits=splits or None, sm_scale=D**-0.5
+                )
+            )
+            try:
+                kernels = per_kernel_us(fn, *prefix, *inputs(kv_len))
+                case["kernels"] = kernels
+                # --cold's buffer rewrite (~120 us) is not the call's.
+                flush = [us for name, us in kernels if us > 50 and "mosaic" not in name]
+                case["total_us"] = sum(us for _, us in kernels) - sum(flush)
+            except Exception as e:  # noqa: BLE001 - a probe records and goes on
+                case["error"] = error_text(e)
+            print(json.dumps(case), flush=True)
+            cases.append(case)
+    with tempfile.TemporaryDirectory() as directory:
+        fn = wrap(
+            functools.partial(paged_decode_attention, sm_scale=D**-0.5, profile_dir=directory)
+        )
+        for _ in range(3):  # the last of three calls: compiled, and the L2 as --cold asks
+            jax.block_until_ready(fn(*prefix, *inputs(1097)))
+        path = sorted(glob.glob(os.path.join(directory, "*.json")), key=os.path.getmtime)[-1]
+        trace = dict(case="trace", kv_len=1097, cold=args.cold, **timeline(path))
+        print(json.dumps(trace), flush=True)
+        cases.append(trace)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(environment(), probe="decode_b1", cases=cases), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
