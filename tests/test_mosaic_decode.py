@@ -236,8 +236,9 @@ def test_persistent_grid_and_order():
 def test_persistent_only_past_one_item_per_sm(monkeypatch, seqs, num_splits, persistent, programs):
     """The default config walks items in persistent programs only when there are more items
     than SMs; with no more, the kernel runs the grid of items (one program an item either
-    way, without the walk's output staging and waits). Persistent programs at D=128 take
-    64-key steps in two compute warpgroups; the grid keeps one warpgroup of 128-key steps."""
+    way, without the walk's output staging and waits), and orders no slots: all its programs
+    start at once. Persistent programs at D=128 take 64-key steps in two compute
+    warpgroups; the grid keeps one warpgroup of 128-key steps."""
     seen = {}
     make_body = mosaic.decode_body.make_body
 
@@ -245,6 +246,7 @@ def test_persistent_only_past_one_item_per_sm(monkeypatch, seqs, num_splits, per
         config = kwargs["config"]
         seen.update(persistent=config.persistent, programs=kwargs["num_programs"])
         seen.update(steps=(config.block_kv, config.num_stages, config.compute_warpgroups))
+        seen.update(ordering=kwargs["ordering"])
         return make_body(**kwargs)
 
     monkeypatch.setattr(mosaic.decode_body, "make_body", spy)
@@ -252,7 +254,8 @@ def test_persistent_only_past_one_item_per_sm(monkeypatch, seqs, num_splits, per
     args = _abstract_args(128, 16, 8, 16, jnp.bfloat16, seqs=seqs, pages=seqs * 8)
     assert "mosaic_gpu" in lower_for_hopper(_mosaic_fn(num_splits=num_splits), *args)
     steps = (64, 4, 2) if persistent else (128, 2, 1)
-    assert seen == dict(persistent=persistent, programs=programs, steps=steps)
+    ordering = "kernel" if persistent else None
+    assert seen == dict(persistent=persistent, programs=programs, steps=steps, ordering=ordering)
 
 
 def _ranked_slots(kv_lens):

@@ -71,8 +71,9 @@ class MosaicDecodeConfig:
         sequence in order, all first splits before any second one), so that in a ragged
         batch no SM is left with a long item at the end. Up to `slot_order.MAX_SLOTS_RANKED`
         slots each program ranks them in shared memory as it starts; more take one XLA sort
-        of `kv_lens` per call (`slot_order.choose`). Calls of one item a program skip the
-        order.
+        of `kv_lens` per call (`slot_order.choose`). Calls of at most one item an SM skip
+        the order: their programs all start at once (B=1 at the `1b` shape: 0.23 us of a
+        4.5 us call, run 149).
       persistent: launch one program per SM, each walking its items (KV head, split, slot)
         of a snake order (`decode_body.snake_item`) with one K/V pipeline: the next item's
         pages stream in while the last one finishes, so an SM pays the pipeline fill once,
@@ -234,7 +235,7 @@ def paged_decode_attention(
         max_steps = _max_steps(pages_per_seq * page_size, sliding_window, config.block_kv)
     chunk = pl.cdiv(max_steps, num_splits)
     num_programs = device_num_sms() if config.persistent else num_items
-    ordering = slot_order.choose(config, pl.cdiv(num_items, num_programs), num_seq_slots)
+    ordering = slot_order.choose(config, pl.cdiv(num_items, device_num_sms()), num_seq_slots)
     body = decode_body.make_body(
         group=group,
         page_size=page_size,

@@ -22,13 +22,14 @@ from jaxlib.mlir.dialects import arith, memref
 MAX_SLOTS_RANKED = 128
 
 
-def choose(config, items_per_program: int, num_seq_slots: int) -> str | None:
+def choose(config, items_per_sm: int, num_seq_slots: int) -> str | None:
     """How a call of the decode kernel with `config` orders its slots by length
-    (`longest_first`): None (a persistent program with one item at most has no order to
-    choose), "kernel" (each program counts ranks in shared memory, `order_slots`: no extra
-    kernel, but its time grows with the square of the slots) or "xla" (one XLA sort kernel,
-    `slots_by_length`, for more than `MAX_SLOTS_RANKED`)."""
-    if not (config.longest_first and (items_per_program > 1 or not config.persistent)):
+    (`longest_first`): None (a call of at most one item an SM has no order to choose: one
+    program runs per SM, so all its programs start at once), "kernel" (each program counts
+    ranks in shared memory, `order_slots`: no extra kernel, but its time grows with the
+    square of the slots) or "xla" (one XLA sort kernel, `slots_by_length`, for more than
+    `MAX_SLOTS_RANKED`)."""
+    if not (config.longest_first and items_per_sm > 1):
         return None
     return "kernel" if num_seq_slots <= MAX_SLOTS_RANKED else "xla"
 
