@@ -402,6 +402,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         metavar="NAME=VALUE",
         help="an XLA option added to step_xla_options for every step (repeatable)",
     )
+    parser.add_argument(
+        "--split-k-max-tokens",
+        type=int,
+        default=None,
+        help="steps of at most this many tokens split qkv and gate/up over K "
+        "(jaxpaged.layers.DECODE_SPLIT_K_MAX_TOKENS; 0: none)",
+    )
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--hf", action="store_true", help="time the HF transformers anchor")
     parser.add_argument("--skip-prefill", action="store_true")
@@ -412,6 +419,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.config, args.prompt_len, args.chunks, args.batches = "tiny", 96, [16, 32], [1, 4]
         args.ctx, args.new_tokens, args.batch_prompts = 40, 6, min(args.batch_prompts, 4)
 
+    if args.split_k_max_tokens is not None:
+        jaxpaged.layers.DECODE_SPLIT_K_MAX_TOKENS = args.split_k_max_tokens
     hf = _hf_anchor(args) if args.hf else None  # first: torch needs the GPU's memory
     if args.profile and jax.default_backend() == "gpu":
         _discard_first_capture()

@@ -248,6 +248,40 @@ def add_rms_norm(
     return total, rms_norm(total, scale, eps)
 
 
+# Decode steps of at most this many tokens compute the qkv and gate/up projections as float32
+# partial sums over `DECODE_SPLIT_K` parts of the hidden dimension (`split_k_dot`), which the
+# op after each sums as it reads them (`rope_append`; SwiGLU's XLA fusion). XLA split qkv's K
+# itself but summed the parts in a kernel of its own (1.2-1.4 us a layer); it did not split
+# gate/up, whose 192 (B=1) or 96 (B=16) output tiles left the SMs unevenly loaded: 14.8 ->
+# 13.7 us a layer at B=1, 15.7 -> 14.4 at B=16 (benchmarks/NOTES.md, session 30, run 158).
+DECODE_SPLIT_K = 4
+DECODE_SPLIT_K_MAX_TOKENS = 16
+
+
+def split_k_dot(x: jax.Array, w: jax.Array, splits: int, precision=None) -> jax.Array:
+    """x [T, K] @ w [K, N] as float32 partial sums [S, T, N] over `splits` equal parts of K,
+    one batched dot; `sum(0)` is the product."""
+    num_tokens, k = x.shape
+    if w.shape[0] != k or k % splits:
+        raise ValueError(
+            f"split_k_dot needs w [K={k}, N] and K a multiple of splits={splits}; got {w.shape}"
+        )
+    return jnp.einsum(
+        "tsk,skn->stn",
+        x.reshape(num_tokens, splits, k // splits),
+        w.reshape(splits, k // splits, w.shape[1]),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def decode_split_k(x: jax.Array) -> int:
+    """The K-splits of a step's qkv and gate/up projections (`DECODE_SPLIT_K`), 1: unsplit."""
+    num_tokens, k = x.shape
+    small = num_tokens <= DECODE_SPLIT_K_MAX_TOKENS and k % DECODE_SPLIT_K == 0
+    return DECODE_SPLIT_K if small else 1
+
+
 def _use_kernel(implementation: str | None) -> bool:
     """Whether `rope_append` and `add_rms_norm` run their Pallas kernel (Triton lowering):
     "triton" anywhere (interpret mode off-GPU), None or "mosaic" on a GPU; "xla" never."""
@@ -276,7 +310,10 @@ def rope_append(
 
     Args:
       qkv: [T, Hkv, G + 2, D] the projection in `fuse_qkv`'s order: per KV head its G query
-        heads, its k, its v.
+        heads, its k, its v; or float32 [S, T, Hkv, G + 2, D], partial sums of it over S parts
+        of the contraction (`split_k_dot`), which are summed and rounded to the pages' dtype
+        first, as the projection's own output would be (a decode step leaves its split-K sum
+        to this op instead of a kernel of its own).
       positions: i32[T] the tokens' positions.
       k_pages, v_pages: [P, page_size, Hkv, D] one layer's pages (updated; donate them).
       slots: i32[T] each token's pool slot (`jaxpaged.kv_slots`); -1, or a slot outside the
@@ -292,12 +329,15 @@ def rope_append(
     Returns:
       `(q [T, Hkv * G, D], k_pages, v_pages)`, q in the pages' dtype.
     """
-    num_tokens, num_kv_heads, group2, head_dim = qkv.shape if qkv.ndim == 4 else (0,) * 4
-    if qkv.ndim != 4 or group2 < 3 or k_pages.shape[2:] != (num_kv_heads, head_dim):
+    partial = qkv.ndim == 5
+    num_tokens, num_kv_heads, group2, head_dim = qkv.shape[-4:] if qkv.ndim in (4, 5) else (0,) * 4
+    if qkv.ndim not in (4, 5) or group2 < 3 or k_pages.shape[2:] != (num_kv_heads, head_dim):
         raise ValueError(
-            f"qkv must be [T, Hkv, G + 2, D] with the pages' Hkv and D {k_pages.shape[2:]}; "
-            f"got {qkv.shape}"
+            f"qkv must be [T, Hkv, G + 2, D] (or float32 partial sums [S, T, Hkv, G + 2, D]) "
+            f"with the pages' Hkv and D {k_pages.shape[2:]}; got {qkv.shape}"
         )
+    if partial and qkv.dtype != jnp.float32:
+        raise ValueError(f"partial sums qkv [S, T, Hkv, G + 2, D] must be float32; got {qkv.dtype}")
     if positions.shape != (num_tokens,) or slots.shape != (num_tokens,):
         raise ValueError(
             f"positions and slots must be i32[T={num_tokens}]; got {positions.shape}, {slots.shape}"
@@ -310,7 +350,11 @@ def rope_append(
         )
     group = group2 - 2
     on_gpu = jax.default_backend() == "gpu"
-    if _use_kernel(implementation) and qkv.dtype == k_pages.dtype == v_pages.dtype:
+    if (
+        _use_kernel(implementation)
+        and k_pages.dtype == v_pages.dtype
+        and (partial or qkv.dtype == k_pages.dtype)
+    ):
         from pallas_kernels.triton import rope_append as fused  # noqa: PLC0415
 
         if fused.supported(head_dim):
@@ -330,6 +374,8 @@ def rope_append(
                     eps=eps,
                     interpret=not on_gpu,
                 )
+    if partial:
+        qkv = qkv.sum(0).astype(k_pages.dtype)
     q = qkv[:, :, :group].reshape(num_tokens, num_kv_heads * group, head_dim)
     k, v = qkv[:, :, group], qkv[:, :, group + 1]
     if q_scale is not None:
@@ -452,8 +498,9 @@ class PagedAttention(nnx.Module):
         )
         tp = tensor_parallel_size()
         if tp == 1 and meta.kv_slots is not None:
+            qkv = self._qkv(x, partial=True)
             q, k_pages, v_pages = rope_append(
-                self._qkv(x),
+                qkv,
                 meta.positions,
                 k_pages,
                 v_pages,
@@ -488,10 +535,18 @@ class PagedAttention(nnx.Module):
         out = self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
         return out, k_pages, v_pages
 
-    def _qkv(self, x: jax.Array) -> jax.Array:
-        """x [T, hidden] -> the projection [T, Hkv, G + 2, D] (`fuse_qkv`'s order)."""
+    def _qkv(self, x: jax.Array, partial: bool = False) -> jax.Array:
+        """x [T, hidden] -> the projection [T, Hkv, G + 2, D] (`fuse_qkv`'s order); with
+        `partial`, for a decode step (`decode_split_k`) float32 partial sums [S, T, ...] of it
+        that `rope_append` sums."""
         group = self.num_q_heads // self.num_kv_heads
-        return self.qkv_proj(x).reshape(x.shape[0], self.num_kv_heads, group + 2, self.head_dim)
+        shape = (x.shape[0], self.num_kv_heads, group + 2, self.head_dim)
+        splits = decode_split_k(x) if partial and self.qkv_proj.bias is None else 1
+        if splits > 1:
+            proj = self.qkv_proj
+            product = split_k_dot(x.astype(proj.dtype), proj.kernel[...], splits, proj.precision)
+            return product.reshape(splits, *shape)
+        return self.qkv_proj(x).reshape(shape)
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """x [T, hidden] at positions i32[T] -> rotated q [T, Hq, D], rotated k and v

@@ -59,12 +59,18 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         proj = self.gate_up_proj
         small = math.prod(x.shape[:-1]) <= SWIGLU_F32_MAX_TOKENS
-        product = jnp.dot(
-            x.astype(proj.dtype),
-            proj.kernel[...],
-            precision=proj.precision,
-            preferred_element_type=jnp.float32 if small else None,
-        )
+        x = x.astype(proj.dtype)
+        splits = jaxpaged.layers.decode_split_k(x) if x.ndim == 2 else 1
+        if splits > 1:  # summed in SwiGLU's fusion
+            product = jaxpaged.layers.split_k_dot(x, proj.kernel[...], splits, proj.precision)
+            product = product.sum(0)
+        else:
+            product = jnp.dot(
+                x,
+                proj.kernel[...],
+                precision=proj.precision,
+                preferred_element_type=jnp.float32 if small else None,
+            )
         gate, up = split_gate_up(product)
         return self.down_proj((jax.nn.silu(gate) * up).astype(proj.dtype))
 

@@ -116,11 +116,57 @@ def test_rope_append_matches_the_oracle(implementation, dtype, group, head_dim, 
     np.testing.assert_array_equal(v_rows[rest], old_v.reshape(flat)[rest])
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype,splits", [(jnp.bfloat16, 4), (jnp.float16, 2), (jnp.float32, 3)])
+def test_rope_append_sums_partial_products(implementation, dtype, splits):
+    """qkv as float32 partial sums [S, T, Hkv, G + 2, D] (a split-K projection's): summed,
+    rounded to the pages' dtype, then as the projection's output."""
+    if implementation == "triton" and ON_GPU:
+        pytest.skip("compiled here: runs as auto-gpu")
+    num_kv_heads, group, head_dim, eps, theta = 2, 2, 128, 1e-6, 1e6
+    qkv, positions, k_pages, v_pages, slots, scales = _inputs(
+        9, num_kv_heads, group, head_dim, dtype, seed=splits
+    )
+    parts = jax.random.normal(jax.random.key(7), (splits, *qkv.shape), jnp.float32)
+    summed = np.asarray(parts, np.float64).sum(0)
+    # The projection's output: the float32 sum rounded once to the dtype.
+    rounded = np.asarray(jnp.asarray(summed, jnp.float32).astype(dtype), np.float64)
+    with poison_outputs():
+        q, k_pages, v_pages = jax.jit(
+            rope_append, static_argnames=("theta", "eps", "implementation"), donate_argnums=(2, 3)
+        )(
+            parts,
+            positions,
+            k_pages,
+            v_pages,
+            slots,
+            theta=theta,
+            q_scale=scales[0],
+            k_scale=scales[1],
+            eps=eps,
+            implementation=implementation,
+        )
+    want_q, want_k, want_v = _oracle(rounded, positions, scales, eps, theta, None)
+    q, k_pages, v_pages = (np.asarray(a, np.float64) for a in (q, k_pages, v_pages))
+    assert not np.isnan(q).any()
+    np.testing.assert_allclose(q, want_q, atol=ATOL[dtype], rtol=0)
+    flat = (NUM_PAGES * PAGE, num_kv_heads, head_dim)
+    live = np.asarray(slots[:-2])
+    np.testing.assert_allclose(k_pages.reshape(flat)[live], want_k[:-2], atol=ATOL[dtype], rtol=0)
+    # v is the rounded sum. A float32 sum of S terms of |p| < ~5 in another order differs by
+    # < 1e-5, and may then round to the neighbouring value of the dtype: one ulp (eps relative).
+    np.testing.assert_allclose(
+        v_pages.reshape(flat)[live], want_v[:-2], rtol=float(jnp.finfo(dtype).eps), atol=1e-5
+    )
+
+
 def test_rope_append_rejects_bad_arguments():
     qkv, positions, k_pages, v_pages, slots, (qs, ks) = _inputs(5, 2, 2, 64, jnp.float32, 0)
     call = dict(theta=1e4, implementation="xla")
     with pytest.raises(ValueError, match=r"qkv must be \[T, Hkv, G \+ 2, D\]"):
         rope_append(qkv[:, :1], positions, k_pages, v_pages, slots, **call)
+    with pytest.raises(ValueError, match="partial sums qkv .* must be float32"):
+        rope_append(qkv[None].astype(jnp.bfloat16), positions, k_pages, v_pages, slots, **call)
     with pytest.raises(ValueError, match="positions and slots must be"):
         rope_append(qkv, positions[:3], k_pages, v_pages, slots, **call)
     with pytest.raises(ValueError, match="q_scale and k_scale go together"):

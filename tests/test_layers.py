@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -167,6 +168,81 @@ def test_decode_step_equals_ragged_step(backend):
     np.testing.assert_allclose(np.asarray(dec[:3]), np.asarray(ragged[:3]), atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(k_d), np.asarray(k_r))
     np.testing.assert_array_equal(np.asarray(v_d), np.asarray(v_r))
+
+
+def _batched_dots(fn, *args) -> int:
+    """How many dot_generals of `fn`'s jaxpr (nested ones included) have a batch dimension."""
+
+    def count(jaxpr):
+        n = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+                n += bool(lhs_batch)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                n += count(sub)
+        return n
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_small_step_split_k_qkv_matches_unsplit(backend, dtype, monkeypatch):
+    """A step of at most `DECODE_SPLIT_K_MAX_TOKENS` tokens computes qkv as split-K partials
+    that `rope_append` sums (a batched dot in its jaxpr); its output and pages equal the
+    unsplit projection's, within the dtype's rounding."""
+    require(backend)
+    rng = np.random.default_rng(4)
+    layer = jaxpaged.PagedAttention(
+        HIDDEN,
+        HQ,
+        HKV,
+        D,
+        qk_norm=True,
+        dtype=dtype,
+        precision="highest" if dtype == jnp.float32 else None,
+        rngs=nnx.Rngs(5),
+    )
+    kv_lens = np.array([3, 17, 40], np.int32)
+    num_pages, pages_per_seq = 12, 3
+    table = jnp.asarray(rng.permutation(num_pages)[:9].reshape(3, pages_per_seq), jnp.int32)
+    shape = (num_pages, PAGE, HKV, D)
+    k_pages = jnp.asarray(rng.standard_normal(shape), dtype)
+    v_pages = jnp.asarray(rng.standard_normal(shape), dtype)
+    x = jnp.asarray(rng.standard_normal((3, HIDDEN)), dtype)
+    meta = jaxpaged.StepMetadata.build(
+        jnp.asarray(kv_lens),
+        table,
+        jnp.asarray([0, 1, 2, 3], jnp.int32),
+        3,
+        num_tokens=3,
+        pool_shape=(num_pages, PAGE),  # the slots: the path through `rope_append`
+    )
+    graphdef, state = nnx.split(layer)
+
+    def run():
+        """(batched dots in the step's jaxpr, its results), traced afresh (a new function:
+        JAX caches traces by function)."""
+
+        def step(state, x, k_pages, v_pages):
+            return nnx.merge(graphdef, state)(x, k_pages, v_pages, meta, implementation=backend)
+
+        dots = _batched_dots(step, state, x, k_pages, v_pages)
+        return dots, jax.jit(step)(state, x, k_pages.copy(), v_pages.copy())
+
+    assert x.shape[0] <= jaxpaged.layers.DECODE_SPLIT_K_MAX_TOKENS
+    split_dots, split = run()
+    monkeypatch.setattr(jaxpaged.layers, "DECODE_SPLIT_K_MAX_TOKENS", 0)
+    whole_dots, whole = run()
+    assert split_dots == whole_dots + 1  # qkv's
+    # float32: sums in another order (~1e-6). bfloat16: q, k and v are rounded from float32 sums
+    # in another order, so a value may round to its neighbour (2^-8 relative), and the
+    # attention output (~1) inherits that through its weights.
+    tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}[dtype]
+    for a, b in zip(split, whole, strict=True):
+        assert not np.isnan(_f64(a)).any()
+        np.testing.assert_allclose(_f64(a), _f64(b), atol=tol, rtol=tol)
 
 
 def test_decode_step_under_a_sliding_window_ignores_prefix_groups():

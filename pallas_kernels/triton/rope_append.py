@@ -11,6 +11,8 @@ writes the rotated queries and the new K/V slot.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -41,8 +43,12 @@ def rope_append(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`jaxpaged.layers.rope_append` in one kernel; arguments and results as there (checked
-    there). The pages are updated in place (aliased)."""
-    num_tokens, num_kv_heads, group2, head_dim = qkv.shape
+    there). The pages are updated in place (aliased). qkv [S, T, Hkv, G + 2, D] holds float32
+    partial sums of the projection, summed here and rounded to the pages' dtype first."""
+    partial = qkv.ndim == 5
+    if not partial:
+        qkv = qkv[None]
+    num_tokens, num_kv_heads, group2, head_dim = qkv.shape[1:]
     group = group2 - 2
     num_pages, page_size = k_pages.shape[:2]
     q_shape = jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), k_pages.dtype)
@@ -56,7 +62,7 @@ def rope_append(
         aliases[len(inputs) - 1] = 0
     page_shape = jax.ShapeDtypeStruct(flat, k_pages.dtype)
     q, k_flat, v_flat = pl.pallas_call(
-        lambda *refs: _kernel(*refs, group=group, qk_norm=qk_norm, eps=eps),
+        lambda *refs: _kernel(*refs, group=group, qk_norm=qk_norm, eps=eps, partial=partial),
         grid=(num_tokens, num_kv_heads),
         out_shape=(q_shape, page_shape, page_shape),
         input_output_aliases=aliases,
@@ -67,11 +73,11 @@ def rope_append(
     return q, k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
 
 
-def _kernel(slots_ref, qkv_ref, cos_ref, sin_ref, *refs, group, qk_norm, eps):
+def _kernel(slots_ref, qkv_ref, cos_ref, sin_ref, *refs, group, qk_norm, eps, partial):
     q_ref, k_ref, v_ref = refs[-3:]
     scale_refs = refs[:2] if qk_norm else ()
     token, head = pl.program_id(0), pl.program_id(1)
-    head_dim = qkv_ref.shape[3]
+    head_dim = qkv_ref.shape[4]
     half = head_dim // 2
     dtype = k_ref.dtype
     # All integer indexers (no slices): gathers lower the same in Triton and in interpret mode.
@@ -87,8 +93,15 @@ def _kernel(slots_ref, qkv_ref, cos_ref, sin_ref, *refs, group, qk_norm, eps):
     sin = plgpu.load(sin_ref.at[token, lo])
 
     def load(row, cols, mask=None):
+        """The projection's [rows, cols] in float32: partial sums summed and rounded to the
+        dtype, as the projection's own output is."""
         kw = {} if mask is None else dict(mask=mask, other=0)
-        return plgpu.load(qkv_ref.at[token, head, row, cols], **kw).astype(jnp.float32)
+        parts = [
+            plgpu.load(qkv_ref.at[s, token, head, row, cols], **kw).astype(jnp.float32)
+            for s in range(qkv_ref.shape[0])
+        ]
+        x = functools.reduce(jnp.add, parts)
+        return x.astype(dtype).astype(jnp.float32) if partial else x
 
     def load_scale(scale_ref):
         if scale_ref is None:
@@ -103,7 +116,7 @@ def _kernel(slots_ref, qkv_ref, cos_ref, sin_ref, *refs, group, qk_norm, eps):
     cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     q = load(rows, lo, row_ok), load(rows, hi, row_ok)
     k = load(kv_row + group, lo), load(kv_row + group, hi)
-    v = plgpu.load(qkv_ref.at[token, head, kv_row + group + 1, cols])
+    v = load(kv_row + group + 1, cols)
     q_s, k_s = load_scale(q_scale), load_scale(k_scale)
     slot = slots_ref[token]
 
