@@ -193,6 +193,8 @@ def test_small_step_split_k_qkv_matches_unsplit(backend, dtype, monkeypatch):
     that `rope_append` sums (a batched dot in its jaxpr); its output and pages equal the
     unsplit projection's, within the dtype's rounding."""
     require(backend)
+    if jax.default_backend() != "gpu" and (backend == "triton") != (dtype == jnp.bfloat16):
+        pytest.skip("off the GPU: the reference in float32, the interpreted kernel in bfloat16")
     rng = np.random.default_rng(4)
     layer = jaxpaged.PagedAttention(
         HIDDEN,
