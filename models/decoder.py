@@ -42,7 +42,9 @@ SWIGLU_F32_MAX_TOKENS = 64
 class MLP(nnx.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`, with gate and up as one [hidden, 2 I] matrix
     (`fuse_gate_up`) so that they are one matmul; for steps of up to `SWIGLU_F32_MAX_TOKENS`
-    tokens the activation takes the matmul's float32 output."""
+    tokens the activation takes the matmul's float32 output, and for steps of up to
+    `jaxpaged.layers.DECODE_SPLIT_K_MAX_TOKENS` that output comes as split-K partial sums
+    (`jaxpaged.layers.split_k_dot`), which the activation's fusion adds up."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         linear = functools.partial(
