@@ -287,6 +287,7 @@ def _decode_part(engine: Engine, prompts, steps: int, profile: bool = False, top
         timings = mosaic_gpu._mosaic_gpu_ext._cupti_get_timings(True)
     steps = engine.stats.decode_steps - stats.decode_steps
     tokens = engine.stats.decode_tokens - stats.decode_tokens
+    dispatch = engine.stats.dispatch_time - stats.dispatch_time  # the window's, not the tail's
     # The rows' mean KV length over the window (a row's cached tokens when it decodes one).
     mean_kv_len = (2 * lengths + tokens) / (2 * len(prompts))
     if tokens != len(prompts) * steps:
@@ -298,7 +299,7 @@ def _decode_part(engine: Engine, prompts, steps: int, profile: bool = False, top
         mean_kv_len=mean_kv_len,
         tokens_per_s=tokens / seconds,
         wall_ms_per_step=1e3 * seconds / steps,
-        dispatch_ms_per_step=1e3 * (engine.stats.dispatch_time - stats.dispatch_time) / steps,
+        dispatch_ms_per_step=1e3 * dispatch / steps,
     )
     if profile:
         result.update(_kernel_summary(timings, steps, top))
@@ -409,6 +410,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="steps of at most this many tokens split qkv and gate/up over K "
         "(jaxpaged.layers.DECODE_SPLIT_K_MAX_TOKENS; 0: none)",
     )
+    parser.add_argument(
+        "--output-split-k-max-tokens",
+        type=int,
+        default=None,
+        help="steps of at most this many tokens split o and down over K, summed in "
+        "add_rms_norm (jaxpaged.layers.DECODE_OUTPUT_SPLIT_K_MAX_TOKENS; 0: none)",
+    )
+    parser.add_argument(
+        "--output-split-k",
+        type=int,
+        default=None,
+        help="the parts of that split (jaxpaged.layers.DECODE_OUTPUT_SPLIT_K)",
+    )
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--hf", action="store_true", help="time the HF transformers anchor")
     parser.add_argument("--skip-prefill", action="store_true")
@@ -421,6 +435,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     if args.split_k_max_tokens is not None:
         jaxpaged.layers.DECODE_SPLIT_K_MAX_TOKENS = args.split_k_max_tokens
+    if args.output_split_k_max_tokens is not None:
+        jaxpaged.layers.DECODE_OUTPUT_SPLIT_K_MAX_TOKENS = args.output_split_k_max_tokens
+    if args.output_split_k is not None:
+        jaxpaged.layers.DECODE_OUTPUT_SPLIT_K = args.output_split_k
     hf = _hf_anchor(args) if args.hf else None  # first: torch needs the GPU's memory
     if args.profile and jax.default_backend() == "gpu":
         _discard_first_capture()

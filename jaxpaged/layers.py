@@ -225,16 +225,24 @@ def add_rms_norm(
     `s = x + h` in x's dtype.
 
     Args:
-      x, h: [T, hidden] the residual stream and a layer's output, of one dtype.
+      x: [T, hidden] the residual stream.
+      h: [T, hidden] a layer's output in x's dtype; or float32 [S, T, hidden], partial sums
+        of it over S parts of its projection's contraction (`split_k_dot`), which are summed
+        and rounded to x's dtype first, as the projection's own output would be (a decode
+        step leaves the o and down projections' split-K sums to this op instead of kernels
+        of their own).
       scale: [hidden] the norm's scale.
       implementation: as `rope_append`'s: "xla" the reference, "triton" one Pallas kernel
         (interpret mode off-GPU), None or "mosaic" the kernel on a GPU.
     """
-    if x.ndim != 2 or h.shape != x.shape or h.dtype != x.dtype:
+    partial = h.ndim == 3
+    if x.ndim != 2 or h.shape[partial:] != x.shape or (h.dtype != x.dtype and not partial):
         raise ValueError(
-            f"x and h must be [T, hidden] of one shape and dtype; got {x.dtype}{list(x.shape)}, "
-            f"{h.dtype}{list(h.shape)}"
+            f"x and h must be [T, hidden] of one shape and dtype (or h float32 partial sums "
+            f"[S, T, hidden]); got {x.dtype}{list(x.shape)}, {h.dtype}{list(h.shape)}"
         )
+    if partial and h.dtype != jnp.float32:
+        raise ValueError(f"partial sums h [S, T, hidden] must be float32; got {h.dtype}")
     if scale.shape != x.shape[1:]:
         raise ValueError(f"scale must be [hidden={x.shape[1]}]; got {scale.shape}")
     if _use_kernel(implementation):
@@ -244,6 +252,8 @@ def add_rms_norm(
             return fused.add_rms_norm(
                 x, h, scale, eps=eps, interpret=jax.default_backend() != "gpu"
             )
+    if partial:
+        h = h.sum(0).astype(x.dtype)
     total = x + h
     return total, rms_norm(total, scale, eps)
 
@@ -256,6 +266,13 @@ def add_rms_norm(
 # 13.7 us a layer at B=1, 15.7 -> 14.4 at B=16 (benchmarks/NOTES.md, session 30, run 158).
 DECODE_SPLIT_K = 4
 DECODE_SPLIT_K_MAX_TOKENS = 16
+# Likewise the o and down projections (the layer's outputs), whose partial sums `add_rms_norm`
+# sums with the residual add. XLA split their K itself and summed the parts in a kernel of its
+# own (1.2-1.5 us each); as 8 parts summed in the norm (16 warps a row), o + down + their
+# sums + the two norms went 18.4 -> 16.5 us a layer at B=1 and 20.0 -> 17.3 at B=16 (runs
+# 161-162). With 4 parts the batched down GEMM is slower (9.2 us against 7.7 + 1.2).
+DECODE_OUTPUT_SPLIT_K = 8
+DECODE_OUTPUT_SPLIT_K_MAX_TOKENS = 16
 
 
 def split_k_dot(x: jax.Array, w: jax.Array, splits: int, precision=None) -> jax.Array:
@@ -275,11 +292,16 @@ def split_k_dot(x: jax.Array, w: jax.Array, splits: int, precision=None) -> jax.
     )
 
 
-def decode_split_k(x: jax.Array) -> int:
-    """The K-splits of a step's qkv and gate/up projections (`DECODE_SPLIT_K`), 1: unsplit."""
+def decode_split_k(x: jax.Array, *, output: bool = False) -> int:
+    """The K-splits of a step's projection of x [T, K]: qkv and gate/up (`DECODE_SPLIT_K`), or
+    with `output` o and down (`DECODE_OUTPUT_SPLIT_K`); 1: unsplit."""
     num_tokens, k = x.shape
-    small = num_tokens <= DECODE_SPLIT_K_MAX_TOKENS and k % DECODE_SPLIT_K == 0
-    return DECODE_SPLIT_K if small else 1
+    splits, max_tokens = (
+        (DECODE_OUTPUT_SPLIT_K, DECODE_OUTPUT_SPLIT_K_MAX_TOKENS)
+        if output
+        else (DECODE_SPLIT_K, DECODE_SPLIT_K_MAX_TOKENS)
+    )
+    return splits if num_tokens <= max_tokens and splits > 1 and k % splits == 0 else 1
 
 
 def _use_kernel(implementation: str | None) -> bool:
@@ -479,6 +501,7 @@ class PagedAttention(nnx.Module):
         meta: StepMetadata,
         *,
         implementation: str | None = None,
+        partial_sums: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attend the step's tokens and append their K/V.
 
@@ -488,6 +511,9 @@ class PagedAttention(nnx.Module):
             when called outside `jit`; use the returned ones).
           meta: the step's `StepMetadata`.
           implementation: attention backend, as `ragged_paged_attention` (None: best here).
+          partial_sums: for a small step (`decode_split_k(..., output=True)`) without tensor
+            parallelism or an o bias, return the output projection as float32 partial sums
+            [S, T, hidden] (`split_k_dot`), for `add_rms_norm` to sum.
 
         Returns:
           `(out [T, hidden], k_pages, v_pages)`; padding tokens give arbitrary finite rows.
@@ -513,8 +539,13 @@ class PagedAttention(nnx.Module):
                 implementation=implementation,
             )
             out, k_pages, v_pages = attend(q, None, None, k_pages, v_pages, meta)
-            out = self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
-            return out, k_pages, v_pages
+            out = out.reshape(num_tokens, -1).astype(x.dtype)
+            proj = self.o_proj
+            splits = decode_split_k(out, output=True) if partial_sums and proj.bias is None else 1
+            if splits > 1:
+                out = split_k_dot(out.astype(proj.dtype), proj.kernel[...], splits, proj.precision)
+                return out, k_pages, v_pages
+            return proj(out), k_pages, v_pages
         q, k, v = self.project(x, meta.positions)
         q, k, v = q.astype(k_pages.dtype), k.astype(k_pages.dtype), v.astype(v_pages.dtype)
         if tp > 1:

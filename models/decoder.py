@@ -44,7 +44,10 @@ class MLP(nnx.Module):
     (`fuse_gate_up`) so that they are one matmul; for steps of up to `SWIGLU_F32_MAX_TOKENS`
     tokens the activation takes the matmul's float32 output, and for steps of up to
     `jaxpaged.layers.DECODE_SPLIT_K_MAX_TOKENS` that output comes as split-K partial sums
-    (`jaxpaged.layers.split_k_dot`), which the activation's fusion adds up."""
+    (`jaxpaged.layers.split_k_dot`), which the activation's fusion adds up. With
+    `partial_sums`, a small step's down projection comes out as such partial sums too
+    (`decode_split_k(..., output=True)`, without tensor parallelism), for
+    `jaxpaged.add_rms_norm` to sum."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         linear = functools.partial(
@@ -58,7 +61,7 @@ class MLP(nnx.Module):
         self.gate_up_proj = linear(config.hidden_size, 2 * config.intermediate_size)
         self.down_proj = linear(config.intermediate_size, config.hidden_size)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, partial_sums: bool = False) -> jax.Array:
         proj = self.gate_up_proj
         small = math.prod(x.shape[:-1]) <= SWIGLU_F32_MAX_TOKENS
         x = x.astype(proj.dtype)
@@ -74,7 +77,14 @@ class MLP(nnx.Module):
                 preferred_element_type=jnp.float32 if small else None,
             )
         gate, up = split_gate_up(product)
-        return self.down_proj((jax.nn.silu(gate) * up).astype(proj.dtype))
+        hidden = (jax.nn.silu(gate) * up).astype(proj.dtype)
+        down = self.down_proj
+        splits = 1
+        if partial_sums and hidden.ndim == 2 and jaxpaged.layers.tensor_parallel_size() == 1:
+            splits = jaxpaged.layers.decode_split_k(hidden, output=True)
+        if splits > 1:
+            return jaxpaged.layers.split_k_dot(hidden, down.kernel[...], splits, down.precision)
+        return down(hidden)
 
 
 class DecoderLayer(nnx.Module):
@@ -110,12 +120,14 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, normed, k_pages, v_pages, meta, *, implementation):
         """x: the residual stream [T, hidden]; normed: `input_norm(x)`. Returns
         `(x + attention, mlp output, k_pages, v_pages)`: the caller adds the MLP's output and
-        takes the next norm in one op (`jaxpaged.add_rms_norm`)."""
+        takes the next norm in one op (`jaxpaged.add_rms_norm`). In a small step the attention
+        and MLP outputs may come as float32 split-K partial sums [S, T, hidden], which
+        `add_rms_norm` sums."""
         h, k_pages, v_pages = self.attn(
-            normed, k_pages, v_pages, meta, implementation=implementation
+            normed, k_pages, v_pages, meta, implementation=implementation, partial_sums=True
         )
         x, normed = _add_norm(x, h, self.post_attention_norm, implementation)
-        return x, self.mlp(normed), k_pages, v_pages
+        return x, self.mlp(normed, partial_sums=True), k_pages, v_pages
 
 
 def _add_norm(x, h, norm: nnx.RMSNorm, implementation) -> tuple[jax.Array, jax.Array]:

@@ -204,9 +204,47 @@ def test_add_rms_norm_matches_the_oracle(implementation, dtype, hidden):
     np.testing.assert_allclose(got, want, atol=ATOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "dtype,hidden,splits", [(jnp.bfloat16, 2048, 4), (jnp.float16, 896, 2), (jnp.float32, 256, 8)]
+)
+def test_add_rms_norm_sums_partial_products(implementation, dtype, hidden, splits):
+    """h as float32 partial sums [S, T, hidden] (a split-K projection's): summed, rounded to
+    x's dtype, then added as the projection's output would be."""
+    if implementation == "triton" and ON_GPU:
+        pytest.skip("compiled here: runs as auto-gpu")
+    keys = jax.random.split(jax.random.key(splits), 3)
+    x = (3 * jax.random.normal(keys[0], (5, hidden))).astype(dtype)
+    parts = 2 * jax.random.normal(keys[1], (splits, 5, hidden), jnp.float32)
+    scale = (1 + 0.3 * jax.random.normal(keys[2], (hidden,))).astype(dtype)
+    with poison_outputs():
+        total, normed = jax.jit(add_rms_norm, static_argnames=("eps", "implementation"))(
+            x, parts, scale, eps=1e-5, implementation=implementation
+        )
+    # The projection's output: the float32 sum rounded once to the dtype. A float32 sum of S
+    # terms in another order differs by ~1e-6 and may round to the neighbouring value (one
+    # ulp of values up to ~12); the residual add then rounds once more (half an ulp).
+    summed = np.asarray(parts, np.float64).sum(0)
+    rounded = np.asarray(jnp.asarray(summed, jnp.float32).astype(dtype), np.float64)
+    want_total = np.asarray(x, np.float64) + rounded
+    ulp = 16 * float(jnp.finfo(dtype).eps)
+    got_total = np.asarray(total, np.float64)
+    assert total.dtype == normed.dtype == dtype and not np.isnan(got_total).any()
+    np.testing.assert_allclose(got_total, want_total, atol=1.5 * ulp + 1e-5, rtol=0)
+    t = got_total  # the norm is of the rounded sum, itself checked above
+    want = t / np.sqrt((t * t).mean(-1, keepdims=True) + 1e-5) * np.asarray(scale, np.float64)
+    got = np.asarray(normed, np.float64)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, atol=ATOL[dtype], rtol=0)
+
+
 def test_add_rms_norm_rejects_bad_arguments():
     x = jnp.ones((3, 64), jnp.float32)
     with pytest.raises(ValueError, match="x and h must be"):
         add_rms_norm(x, x[:, :32], x[0])
+    with pytest.raises(ValueError, match="x and h must be"):
+        add_rms_norm(x, jnp.ones((2, 3, 32), jnp.float32), x[0])
+    with pytest.raises(ValueError, match=r"partial sums h \[S, T, hidden\] must be float32"):
+        add_rms_norm(x.astype(jnp.bfloat16), jnp.ones((2, 3, 64), jnp.bfloat16), x[0])
     with pytest.raises(ValueError, match=r"scale must be \[hidden=64\]"):
         add_rms_norm(x, x, x[0, :8])

@@ -188,10 +188,11 @@ def _batched_dots(fn, *args) -> int:
 
 @pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-def test_small_step_split_k_qkv_matches_unsplit(backend, dtype, monkeypatch):
+def test_small_step_split_k_projections_match_unsplit(backend, dtype, monkeypatch):
     """A step of at most `DECODE_SPLIT_K_MAX_TOKENS` tokens computes qkv as split-K partials
-    that `rope_append` sums (a batched dot in its jaxpr); its output and pages equal the
-    unsplit projection's, within the dtype's rounding."""
+    that `rope_append` sums (a batched dot in its jaxpr), and with `partial_sums` its output
+    projection as float32 partials [S, T, hidden] (another); their output and pages equal the
+    unsplit projections', within the dtype's rounding."""
     require(backend)
     if jax.default_backend() != "gpu" and (backend == "triton") != (dtype == jnp.bfloat16):
         pytest.skip("off the GPU: the reference in float32, the interpreted kernel in bfloat16")
@@ -223,25 +224,35 @@ def test_small_step_split_k_qkv_matches_unsplit(backend, dtype, monkeypatch):
     )
     graphdef, state = nnx.split(layer)
 
-    def run():
+    def run(partial_sums=False):
         """(batched dots in the step's jaxpr, its results), traced afresh (a new function:
         JAX caches traces by function)."""
 
         def step(state, x, k_pages, v_pages):
-            return nnx.merge(graphdef, state)(x, k_pages, v_pages, meta, implementation=backend)
+            return nnx.merge(graphdef, state)(
+                x, k_pages, v_pages, meta, implementation=backend, partial_sums=partial_sums
+            )
 
         dots = _batched_dots(step, state, x, k_pages, v_pages)
         return dots, jax.jit(step)(state, x, k_pages.copy(), v_pages.copy())
 
     assert x.shape[0] <= jaxpaged.layers.DECODE_SPLIT_K_MAX_TOKENS
+    assert x.shape[0] <= jaxpaged.layers.DECODE_OUTPUT_SPLIT_K_MAX_TOKENS
+    partial_dots, (parts, *partial_pages) = run(partial_sums=True)
     split_dots, split = run()
     monkeypatch.setattr(jaxpaged.layers, "DECODE_SPLIT_K_MAX_TOKENS", 0)
     whole_dots, whole = run()
     assert split_dots == whole_dots + 1  # qkv's
+    assert partial_dots == split_dots + 1  # o's
+    assert parts.dtype == jnp.float32
+    assert parts.shape == (jaxpaged.layers.DECODE_OUTPUT_SPLIT_K, *x.shape)
     # float32: sums in another order (~1e-6). bfloat16: q, k and v are rounded from float32 sums
     # in another order, so a value may round to its neighbour (2^-8 relative), and the
-    # attention output (~1) inherits that through its weights.
+    # attention output (~1) inherits that through its weights; the unsplit o is rounded once
+    # more (2^-9 relative) where the partials are not.
     tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}[dtype]
+    for a, b in zip([parts.sum(0), *partial_pages], split, strict=True):
+        np.testing.assert_allclose(_f64(a), _f64(b), atol=tol, rtol=tol)
     for a, b in zip(split, whole, strict=True):
         assert not np.isnan(_f64(a)).any()
         np.testing.assert_allclose(_f64(a), _f64(b), atol=tol, rtol=tol)

@@ -261,6 +261,31 @@ def test_swiglu_rounds_once_in_decode_sized_steps(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_mlp_partial_sums_in_small_steps(dtype):
+    """With `partial_sums`, a step of at most `DECODE_OUTPUT_SPLIT_K_MAX_TOKENS` tokens gets
+    the down projection as float32 partial sums [S, T, hidden] that add up to the MLP's
+    output; a larger step gets the output itself."""
+    config = dataclasses.replace(CONFIGS["tiny"], dtype=dtype)
+    mlp = MLP(config, rngs=nnx.Rngs(3))
+    small = jaxpaged.layers.DECODE_OUTPUT_SPLIT_K_MAX_TOKENS
+    for rows in (3, small + 1):
+        x = jax.random.normal(jax.random.key(rows), (rows, config.hidden_size), dtype)
+        want = np.asarray(mlp(x), np.float64)
+        got = mlp(x, partial_sums=True)
+        if rows > small:
+            np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+            continue
+        assert got.dtype == jnp.float32
+        assert got.shape == (jaxpaged.layers.DECODE_OUTPUT_SPLIT_K, rows, config.hidden_size)
+        summed = np.asarray(got.sum(0), np.float64)
+        assert np.isfinite(summed).all()
+        # float32: another summation order (~1e-6 of values ~1). bfloat16: the MLP's own output
+        # is rounded (2^-9 relative) where the partials are not.
+        tol = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}[dtype]
+        np.testing.assert_allclose(summed, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_induction_decoder_continues_from_earlier_chunks(dtype):
     """The bf16 test's model, on a 53-token prompt prefilled in chunks of 16, continues its
     24-token segment with large margins. With every token before the last chunk replaced it
