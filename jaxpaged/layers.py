@@ -292,6 +292,14 @@ def split_k_dot(x: jax.Array, w: jax.Array, splits: int, precision=None) -> jax.
     )
 
 
+def split_k_linear(proj: nnx.Linear, x: jax.Array, splits: int = 1) -> jax.Array:
+    """`proj(x)` for x [T, K]; with `splits` > 1 its float32 partial sums [S, T, N] instead
+    (`split_k_dot`; for a projection without a bias)."""
+    if splits == 1:
+        return proj(x)
+    return split_k_dot(x.astype(proj.dtype), proj.kernel[...], splits, proj.precision)
+
+
 def decode_split_k(x: jax.Array, *, output: bool = False) -> int:
     """The K-splits of a step's projection of x [T, K]: qkv and gate/up (`DECODE_SPLIT_K`), or
     with `output` o and down (`DECODE_OUTPUT_SPLIT_K`); 1: unsplit."""
@@ -540,12 +548,9 @@ class PagedAttention(nnx.Module):
             )
             out, k_pages, v_pages = attend(q, None, None, k_pages, v_pages, meta)
             out = out.reshape(num_tokens, -1).astype(x.dtype)
-            proj = self.o_proj
-            splits = decode_split_k(out, output=True) if partial_sums and proj.bias is None else 1
-            if splits > 1:
-                out = split_k_dot(out.astype(proj.dtype), proj.kernel[...], splits, proj.precision)
-                return out, k_pages, v_pages
-            return proj(out), k_pages, v_pages
+            split = partial_sums and self.o_proj.bias is None
+            splits = decode_split_k(out, output=True) if split else 1
+            return split_k_linear(self.o_proj, out, splits), k_pages, v_pages
         q, k, v = self.project(x, meta.positions)
         q, k, v = q.astype(k_pages.dtype), k.astype(k_pages.dtype), v.astype(v_pages.dtype)
         if tp > 1:
@@ -573,11 +578,8 @@ class PagedAttention(nnx.Module):
         group = self.num_q_heads // self.num_kv_heads
         shape = (x.shape[0], self.num_kv_heads, group + 2, self.head_dim)
         splits = decode_split_k(x) if partial and self.qkv_proj.bias is None else 1
-        if splits > 1:
-            proj = self.qkv_proj
-            product = split_k_dot(x.astype(proj.dtype), proj.kernel[...], splits, proj.precision)
-            return product.reshape(splits, *shape)
-        return self.qkv_proj(x).reshape(shape)
+        product = split_k_linear(self.qkv_proj, x, splits)
+        return product.reshape(splits, *shape) if splits > 1 else product.reshape(shape)
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """x [T, hidden] at positions i32[T] -> rotated q [T, Hq, D], rotated k and v

@@ -78,13 +78,10 @@ class MLP(nnx.Module):
             )
         gate, up = split_gate_up(product)
         hidden = (jax.nn.silu(gate) * up).astype(proj.dtype)
-        down = self.down_proj
         splits = 1
         if partial_sums and hidden.ndim == 2 and jaxpaged.layers.tensor_parallel_size() == 1:
             splits = jaxpaged.layers.decode_split_k(hidden, output=True)
-        if splits > 1:
-            return jaxpaged.layers.split_k_dot(hidden, down.kernel[...], splits, down.precision)
-        return down(hidden)
+        return jaxpaged.layers.split_k_linear(self.down_proj, hidden, splits)
 
 
 class DecoderLayer(nnx.Module):
