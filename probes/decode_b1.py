@@ -11,7 +11,10 @@ bytes need ~0.5 us. This probe separates the fixed cost from the per-key cost:
     the programs enter it after the first program starts, and how long they stay.
 
 With `--cold` every call first rewrites a 256 MB buffer (one XLA kernel, reported apart), so
-that the pages come from HBM, as they do in the model's step, not from the L2.
+that the pages come from HBM, as they do in the model's step, not from the L2. `--batch 16`
+gives every call 16 slots of their own pages (B=16's grid of 128 items, one an SM): the trace
+then says where a B=16 call's ~23.6 us go (`program_total_median_us`: a region's time in each
+program, summed over its steps), which run 165 left open (benchmarks/NOTES.md, session 32).
 
     python -m probes.decode_b1 --out results.json
 """
@@ -38,14 +41,17 @@ TABLE_PAGES = 76  # e2e's B=1 table: 1,216 tokens
 NUM_PAGES = 512
 
 
-def inputs(kv_len: int, seed: int = 0):
+def inputs(kv_len: int, seed: int = 0, batch: int = 1):
+    """`batch` slots of `kv_len` tokens, each with its own random pages of one pool."""
     rng = np.random.default_rng(seed)
     dt = jnp.bfloat16
-    q = jnp.asarray(rng.standard_normal((1, HQ, D)), dt)
-    k = jnp.asarray(rng.standard_normal((NUM_PAGES, PAGE, HKV, D)), dt)
-    v = jnp.asarray(rng.standard_normal((NUM_PAGES, PAGE, HKV, D)), dt)
-    table = jnp.asarray(rng.permutation(NUM_PAGES)[:TABLE_PAGES][None], jnp.int32)
-    return q, k, v, jnp.array([kv_len], jnp.int32), table
+    num_pages = max(NUM_PAGES, batch * TABLE_PAGES)
+    q = jnp.asarray(rng.standard_normal((batch, HQ, D)), dt)
+    k = jnp.asarray(rng.standard_normal((num_pages, PAGE, HKV, D)), dt)
+    v = jnp.asarray(rng.standard_normal((num_pages, PAGE, HKV, D)), dt)
+    pages = rng.permutation(num_pages)[: batch * TABLE_PAGES].reshape(batch, TABLE_PAGES)
+    lens = jnp.full((batch,), kv_len, jnp.int32)
+    return q, k, v, lens, jnp.asarray(pages, jnp.int32)
 
 
 def per_kernel_us(fn, *args, iterations=50):
@@ -77,18 +83,22 @@ def timeline(path, sm_ghz=1.98):
         if e["ph"] == "B":
             open_[key] = real
         elif key in open_:
-            spans.setdefault(e["name"], []).append((open_.pop(key), real))
+            spans.setdefault(e["name"], []).append((e["tid"], open_.pop(key), real))
     report = {"program_start_spread_us": max(start.values()) - t0}
     for name, s in sorted(spans.items()):
-        enter = [a for a, _ in s]
-        stay = [b - a for a, b in s]
+        enter = [a for _, a, _ in s]
+        stay = [b - a for _, a, b in s]
+        per_program = {}
+        for tid, a, b in s:  # a region entered once a step: its whole time in each program
+            per_program[tid] = per_program.get(tid, 0.0) + b - a
         report[name] = dict(
             spans=len(s),
             enter_median_us=statistics.median(enter),
             enter_max_us=max(enter),
             stay_median_us=statistics.median(stay),
             stay_max_us=max(stay),
-            leave_max_us=max(b for _, b in s),
+            leave_max_us=max(b for _, _, b in s),
+            program_total_median_us=statistics.median(per_program.values()),
         )
     return report
 
@@ -106,6 +116,9 @@ def main():
     parser.add_argument("--cold", action="store_true", help="inputs evicted from the L2")
     parser.add_argument(
         "--ranked", action="store_true", help="rank the slots in the kernel (before session 28)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=1, help="slots of the traced call (B=16: a grid of 128 items)"
     )
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -127,7 +140,7 @@ def main():
                 )
             )
             try:
-                kernels = per_kernel_us(fn, *prefix, *inputs(kv_len))
+                kernels = per_kernel_us(fn, *prefix, *inputs(kv_len, batch=args.batch))
                 case["kernels"] = kernels
                 # --cold's buffer rewrite (~120 us) is not the call's.
                 flush = [us for name, us in kernels if us > 50 and "mosaic" not in name]
@@ -141,9 +154,10 @@ def main():
             functools.partial(paged_decode_attention, sm_scale=D**-0.5, profile_dir=directory)
         )
         for _ in range(3):  # the last of three calls: compiled, and the L2 as --cold asks
-            jax.block_until_ready(fn(*prefix, *inputs(1097)))
+            jax.block_until_ready(fn(*prefix, *inputs(1097, batch=args.batch)))
         path = sorted(glob.glob(os.path.join(directory, "*.json")), key=os.path.getmtime)[-1]
-        trace = dict(case="trace", kv_len=1097, cold=args.cold, **timeline(path))
+        trace = dict(case="trace", kv_len=1097, batch=args.batch, cold=args.cold)
+        trace.update(timeline(path))
         print(json.dumps(trace), flush=True)
         cases.append(trace)
     if args.out:
