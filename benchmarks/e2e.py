@@ -404,6 +404,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="an XLA option added to step_xla_options for every step (repeatable)",
     )
     parser.add_argument(
+        "--decode-xla-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an XLA option added for decode steps and blocks only (repeatable), as the "
+        "README's opt-in to exhaustive GEMM tiling does",
+    )
+    parser.add_argument(
         "--split-k-max-tokens",
         type=int,
         default=None,
@@ -453,12 +461,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     extra = tuple(_xla_option(text) for text in args.xla_option)
+    decode_extra = tuple(_xla_option(text) for text in args.decode_xla_option)
     xla_options = () if args.xla_defaults else None
-    if extra:
-        base = (lambda n, d: ()) if args.xla_defaults else step_xla_options
+    if extra or decode_extra:
+        base = (lambda n, decode: ()) if args.xla_defaults else step_xla_options
 
         def xla_options(num_tokens, decode):
-            return base(num_tokens, decode=decode) + extra
+            return base(num_tokens, decode=decode) + extra + (decode_extra if decode else ())
 
     make = functools.partial(
         _engine, model, args.implementation, page_size=args.page_size, xla_options=xla_options
@@ -540,7 +549,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         case.update(
             config=args.config,
             xla_options=("xla defaults" if args.xla_defaults else "engine (step_xla_options)")
-            + "".join(f", {name}={value}" for name, value in extra),
+            + "".join(f", {name}={value}" for name, value in extra)
+            + "".join(f", {name}={value} (decode)" for name, value in decode_extra),
             implementation=implementation["ragged" if case["kind"] == "prefill" else "decode"],
         )
     if args.out:

@@ -403,8 +403,10 @@ def decode_block(
         budgets = jnp.where(
             active, jnp.where(is_stop(new, inputs.sampling.stop_ids), 0, budgets - 1), budgets
         )
-        out_tokens = out_tokens.at[step].set(jnp.where(active, new, -1))
-        out_logprobs = out_logprobs.at[step].set(jnp.where(active, logprobs, 0.0))
+        # Row `step` (< num_steps) as an in-place update: `.at[step].set` is a scatter, whose
+        # bounds check costs a kernel of its own (benchmarks/NOTES.md, session 33).
+        out_tokens = _set_row(out_tokens, step, jnp.where(active, new, -1))
+        out_logprobs = _set_row(out_logprobs, step, jnp.where(active, logprobs, 0.0))
         tokens = jnp.where(active, new, tokens)
         shared = shared + _uses_shared_prefix(meta)
         return step + 1, kv_pages, tokens, budgets, out_tokens, out_logprobs, shared
@@ -419,6 +421,10 @@ def decode_block(
     next_inputs = inputs._replace(tokens=tokens, budgets=budgets)
     outputs = BlockOutputs(out_tokens, out_logprobs, counts, steps, ok, shared, next_inputs)
     return kv_pages, pool, outputs
+
+
+def _set_row(out: jax.Array, index: jax.Array, row: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice(out, row[None], (index, 0))
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_pages", "pool"))

@@ -118,10 +118,40 @@ def sample(
         sampled = jax.lax.switch(index, branches, logits)
     else:
         sampled = draw(logits, filtered=True)
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    tokens = argmax if case == GREEDY else jnp.where(temperatures > 0, sampled, argmax)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=-1)[:, 0]
-    return tokens, logprobs
+    top, argmax, sum_exp = max_argmax_sum_exp(logits)
+    if case == GREEDY:  # the argmax's own logit is the max: log_softmax there is -log(sum)
+        return argmax, -jnp.log(sum_exp)
+    tokens = jnp.where(temperatures > 0, sampled, argmax)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, (chosen - top) - jnp.log(sum_exp)
+
+
+def max_argmax_sum_exp(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One pass over f32[S, V]: each row's max m, its argmax (the first index of the max, a NaN
+    counting as the max, as `jnp.argmax`) and sum(exp(x - m)), so that log_softmax(x) is
+    `(x - m) - log(sum)`. One variadic reduction whose partial sums are rescaled to the running
+    max: XLA runs it in the kernels of one reduction, where `jnp.argmax` and
+    `jax.nn.log_softmax` took two each (benchmarks/NOTES.md, session 33)."""
+
+    def combine(a, b):
+        (ma, ia, sa), (mb, ib, sb) = a, b
+        a_nan, b_nan = ma != ma, mb != mb
+        a_above = (ma > mb) | (a_nan & ~b_nan)
+        tie = (ma == mb) | (a_nan & b_nan)
+        m = jnp.where(a_above, ma, mb)
+        index = jnp.where(a_above | (tie & (ia < ib)), ia, ib)
+        # A side at the max keeps its sum as it is (so -inf maxima give no NaN).
+        scaled = lambda s, x: jnp.where(x == m, s, s * jnp.exp(x - m))  # noqa: E731
+        return m, index, scaled(sa, ma) + scaled(sb, mb)
+
+    logits = logits.astype(jnp.float32)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jax.lax.reduce(
+        (logits, index, jnp.ones_like(logits)),
+        (np.float32(-np.inf), np.int32(0), np.float32(0)),
+        combine,
+        (logits.ndim - 1,),
+    )
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:

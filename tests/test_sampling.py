@@ -13,6 +13,7 @@ from models.sampling import (
     SamplingArrays,
     filter_logits,
     is_stop,
+    max_argmax_sum_exp,
     sample,
     sampling_case,
 )
@@ -101,6 +102,40 @@ def test_greedy_rows_take_the_argmax_whatever_the_filters():
     logits = jax.random.normal(jax.random.key(2), (4, VOCAB))
     tokens, _ = sample(logits, _arrays(4, 0.0, top_k=3, top_p=0.2), jnp.zeros(4, jnp.int32))
     np.testing.assert_array_equal(tokens, jnp.argmax(logits, axis=-1))
+
+
+def test_one_reduction_gives_the_argmax_and_log_softmax():
+    """`max_argmax_sum_exp` against `jnp.argmax` and `jax.nn.log_softmax` on random rows of a
+    real vocabulary's size, and on the rows where a reduction can go wrong: ties (the first
+    index wins), NaN (the first NaN is the argmax, its log-probability NaN), -inf everywhere
+    (index 0, as `jnp.argmax`) and one finite logit among -inf (log-probability 0)."""
+    vocab = 4096
+    logits = jax.random.normal(jax.random.key(7), (8, vocab)) * 4.0
+    top, index, sum_exp = jax.jit(max_argmax_sum_exp)(logits)
+    np.testing.assert_array_equal(index, jnp.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(top, jnp.max(logits, axis=-1))
+    want = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), np.asarray(index)[:, None], 1)
+    # The sum's float32 rounding, at most (vocab - 1) ulps of it in any order of summation.
+    tol = vocab * np.finfo(np.float32).eps
+    np.testing.assert_allclose(-np.log(sum_exp), want[:, 0], rtol=0, atol=tol)
+
+    inf, nan = np.inf, np.nan
+    special = jnp.array(
+        [
+            [1.0, 3.0, 3.0, 0.0, 3.0],
+            [nan, 1.0, nan, 2.0, 0.0],
+            [2.0, 5.0, nan, 1.0, 5.0],
+            [-inf] * 5,
+            [-inf, -inf, 1.5, -inf, -inf],
+        ]
+    )
+    top, index, sum_exp = jax.jit(max_argmax_sum_exp)(special)
+    np.testing.assert_array_equal(index, jnp.argmax(special, axis=-1))
+    np.testing.assert_array_equal(index, [1, 0, 2, 0, 2])
+    logprob = np.asarray(-jnp.log(sum_exp))
+    assert np.isnan(logprob[[1, 2]]).all() and np.isnan(np.asarray(top)[[1, 2]]).all()
+    np.testing.assert_allclose(logprob[0], np.log(1 / (3 + np.exp(-2) + np.exp(-3))), rtol=1e-6)
+    assert logprob[4] == 0.0 and np.isfinite(np.asarray(sum_exp)[3])
 
 
 def test_is_stop_ignores_padding_ids():
