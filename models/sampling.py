@@ -155,5 +155,9 @@ def max_argmax_sum_exp(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arr
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
-    """bool[S]: row s sampled one of its stop tokens (tokens i32[S], stop_ids i32[S, n])."""
-    return jnp.any(tokens[:, None] == stop_ids, axis=-1)
+    """bool[S]: row s sampled one of its stop tokens (tokens i32[S], stop_ids i32[S, n]).
+
+    Written out as n compares rather than `any` over a [S, n] product: a reduction is a kernel
+    of its own in a decode block, the compares fuse into the selects that read them."""
+    columns = [tokens == stop_ids[:, j] for j in range(stop_ids.shape[-1])]
+    return functools.reduce(jnp.logical_or, columns, jnp.zeros(tokens.shape, bool))
