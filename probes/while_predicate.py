@@ -59,12 +59,13 @@ def main():
     ):
         for carried in (True, False):
             fn = jax.jit(block(carried), compiler_options=compiler_options(options))
-            wrong = []
+            wrong, cases = [], 0
             for trial in range(3):
                 for limit in range(MAX_STEPS + 1):
                     budgets = jnp.full((ROWS,), 12 + trial, jnp.int32)
                     step, rows, _ = jax.device_get(fn(x, jnp.int32(limit), budgets))
                     want = min(limit, 12 + trial)
+                    cases += 1
                     if step != want or rows != want:
                         wrong.append(
                             dict(limit=limit, budget=12 + trial, step=int(step), rows=int(rows))
@@ -74,7 +75,7 @@ def main():
                     dict(
                         options=name,
                         carried_predicate=carried,
-                        cases=51,
+                        cases=cases,
                         wrong=wrong[:8],
                         num_wrong=len(wrong),
                     )
