@@ -1,7 +1,9 @@
 """The split-KV merges of the decode kernels against a float64 merge in numpy: the Triton kernel
 (pallas_kernels/triton/merge.py, the Triton decode kernel's) in interpret mode on CPU and
-compiled on a GPU (`-m gpu`), and the XLA one (`pallas_kernels.common.merge_splits`, the Mosaic
-GPU decode kernel's) and `merge_states` (the cascade's merge of a few states) on any device."""
+compiled on a GPU (`-m gpu`), the Mosaic GPU one (pallas_kernels/mosaic/merge.py, the Mosaic
+decode kernel's; cross-lowered on CPU, run on a GPU), and the XLA one
+(`pallas_kernels.common.merge_splits`, the Mosaic path's past what its kernel takes) and
+`merge_states` (the cascade's merge of a few states) on any device."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.common import merge_splits, merge_states, poison_outputs
+from pallas_kernels.mosaic import merge as mosaic_merge
 from pallas_kernels.triton.merge import merge_partials
+from tests.helpers import lower_for_hopper
 
 # Output tolerance per dtype: the merge itself is float32 (relative error ~1e-6); the output's
 # rounding to bfloat16 / float16 is half an ulp (2^-9 / 2^-12 relative) of values up to ~3.
@@ -82,6 +86,65 @@ def test_merge(merge, num_splits, dtype):
 def test_merge_gpu(merge, shape, dtype):
     outs, lses = _partials(*shape, seed=sum(shape))
     _check(merge, outs, lses, dtype)
+
+
+def _mosaic(outs, lses, dtype):
+    return jax.jit(mosaic_merge.merge_splits, static_argnames="out_dtype")(
+        outs, lses, out_dtype=dtype
+    )
+
+
+# (X, splits, Y, D): e2e's B=1 shape (2 slots, 10 splits, 16 heads), odd row counts (one row a
+# program), D=256 (two rows), 64 splits (the most loads a thread takes), one split.
+MOSAIC_SHAPES = [(2, 10, 16, 128), (3, 7, 5, 64), (1, 3, 6, 256), (2, 64, 4, 128), (4, 1, 8, 128)]
+
+
+@pytest.mark.parametrize("shape", MOSAIC_SHAPES, ids=str)
+def test_mosaic_merge_cross_lowers(shape):
+    outs = jax.ShapeDtypeStruct(shape, jnp.float32)
+    lses = jax.ShapeDtypeStruct(shape[:3], jnp.float32)
+    fn = lambda o, lse: mosaic_merge.merge_splits(o, lse, out_dtype=jnp.bfloat16)  # noqa: E731
+    assert "mosaic_gpu" in lower_for_hopper(fn, outs, lses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=str)
+@pytest.mark.parametrize("shape", MOSAIC_SHAPES, ids=str)
+def test_mosaic_merge_gpu(shape, dtype):
+    outs, lses = _partials(*shape, seed=sum(shape))
+    with poison_outputs():
+        out, lse = _mosaic(outs, lses, dtype)
+    want_out, want_lse = _oracle(outs, lses)
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    np.testing.assert_allclose(out, want_out, atol=ATOL[dtype], rtol=0)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=1e-5, rtol=1e-6)
+    assert (out[np.isneginf(want_lse)] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "num_rows,head_dim,rows", [(16, 128, 4), (5, 128, 1), (6, 256, 2), (12, 64, 6), (32, 64, 8)]
+)
+def test_mosaic_merge_rows_per_program(num_rows, head_dim, rows):
+    """A program's rows divide the row count and fill at most one vector load per thread."""
+    assert mosaic_merge.rows_per_program(num_rows, head_dim) == rows
+
+
+def test_mosaic_merge_takes_and_refuses():
+    assert mosaic_merge.takes(64, 16, 128) and not mosaic_merge.takes(65, 16, 128)
+    assert not mosaic_merge.takes(2, 16, 130)  # D not a multiple of the vector width
+    outs = jnp.ones((1, 65, 4, 128), jnp.float32)
+    with pytest.raises(ValueError, match="at most 64 loads"):
+        mosaic_merge.merge_splits(outs, jnp.ones((1, 65, 4)), out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="lses must be"):
+        mosaic_merge.merge_splits(outs[:, :2], jnp.ones((1, 4, 2)), out_dtype=jnp.bfloat16)
+    with pytest.raises(TypeError, match="float32"):
+        mosaic_merge.merge_splits(
+            outs[:, :2].astype(jnp.bfloat16), jnp.ones((1, 2, 4)), out_dtype=jnp.bfloat16
+        )
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 6, 64), (1, 33, 8, 128)])

@@ -112,12 +112,29 @@ def test_one_split_launches_only_the_kernel(num_q_heads, num_kv_heads):
     assert ops == {"stablehlo.custom_call"}, ops
 
 
-def test_splits_merge_in_xla():
-    """With several splits, the kernel's partials are merged in XLA: one custom call, the
-    kernel's, and no Triton kernel."""
+def _custom_calls(text):
+    return [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+
+
+def test_splits_merge_in_a_mosaic_kernel():
+    """With several splits, a second Mosaic GPU kernel merges the partials (no Triton kernel
+    could lower here, and no XLA reduction is left)."""
     args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
     text = lower_for_hopper(_mosaic_fn(num_splits=4), *args)
-    assert text.count("stablehlo.custom_call") == 1 and "mosaic_gpu" in text
+    calls = _custom_calls(text)
+    assert len(calls) == 2 and all("mosaic_gpu" in c for c in calls), calls
+    assert "stablehlo.reduce" not in text
+
+
+def test_splits_past_the_mosaic_merge_merge_in_xla(monkeypatch):
+    """Partials a thread of the Mosaic merge could not hold in flight (here its limit set to
+    2 loads) are merged in XLA: one custom call, the decode kernel's, and a reduction."""
+    from pallas_kernels.mosaic import merge
+
+    monkeypatch.setattr(merge, "MAX_LOADS_PER_THREAD", 2)
+    args = _abstract_args(128, 32, 8, 16, jnp.bfloat16)
+    text = lower_for_hopper(_mosaic_fn(num_splits=4), *args)
+    assert len(_custom_calls(text)) == 1 and "mosaic_gpu" in text
     assert "stablehlo.reduce" in text
 
 

@@ -11,8 +11,9 @@ item; a call of fewer runs one program an item.
 Split `i` covers the fixed pipeline steps `[i * chunk, (i + 1) * chunk)` of the visible range
 (a split past a short sequence's end loops zero times), so that in a ragged batch no item is
 longer than one chunk. With one split the kernel's outputs are final (page-table and length
-clamps happen in the kernel); with more, the f32 partials are merged in XLA
-(`pallas_kernels.common.merge_splits`). Keys past `kv_len` or before a sliding window never
+clamps happen in the kernel); with more, the f32 partials are merged by a second Mosaic GPU
+kernel (`pallas_kernels.mosaic.merge`), or in XLA (`pallas_kernels.common.merge_splits`) for
+more splits than it takes. Keys past `kv_len` or before a sliding window never
 reach the output (`pipeline`).
 """
 
@@ -31,6 +32,7 @@ from pallas_kernels.common import (
     merge_splits,
 )
 from pallas_kernels.mosaic import decode_body, slot_order
+from pallas_kernels.mosaic import merge as mosaic_merge
 from pallas_kernels.mosaic.common import (
     check_inputs,
     check_pipeline,
@@ -275,7 +277,11 @@ def paged_decode_attention(
     out, lse = launch(body, out_types, inputs, **kernel_kwargs)
     if num_splits == 1:
         return (out, lse) if merge else (out[:, None], lse[:, None])
-    return merge_splits(out, lse, out_dtype=q.dtype) if merge else (out, lse)
+    if not merge:
+        return out, lse
+    if mosaic_merge.takes(num_splits, num_q_heads, head_dim):
+        return mosaic_merge.merge_splits(out, lse, out_dtype=q.dtype)
+    return merge_splits(out, lse, out_dtype=q.dtype)
 
 
 def _max_steps(max_kv_len: int, sliding_window: int | None, block_kv: int) -> int:
