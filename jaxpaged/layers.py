@@ -352,9 +352,11 @@ def rope_append(
       q_scale, k_scale: f32 or the dtype's [D] RMSNorm scales of q and k (both or neither).
       eps: RMSNorm's epsilon.
       implementation: "xla" (the reference: `rms_norm`, `apply_rope`, `write_kv`), "triton"
-        (one Pallas kernel; interpret mode off-GPU), None or "mosaic" (the kernel on a GPU).
-        The kernel takes D / 2 a power of two >= 16 and qkv in the pages' dtype; other calls
-        run the reference.
+        (one Pallas kernel, Triton lowering; interpret mode off-GPU), None (that kernel on a
+        GPU) or "mosaic" (one Mosaic GPU kernel on a GPU, `pallas_kernels.mosaic.
+        rope_append`, for D of 64, 128 or 256; the Triton kernel's rules otherwise;
+        the reference off-GPU). The Triton kernel takes D / 2 a power of two >= 16; both take
+        qkv in the pages' dtype or float32 partial sums; other calls run the reference.
 
     Returns:
       `(q [T, Hkv * G, D], k_pages, v_pages)`, q in the pages' dtype.
@@ -380,22 +382,34 @@ def rope_append(
         )
     group = group2 - 2
     on_gpu = jax.default_backend() == "gpu"
-    if (
-        _use_kernel(implementation)
-        and k_pages.dtype == v_pages.dtype
-        and (partial or qkv.dtype == k_pages.dtype)
-    ):
+    kernel_inputs = k_pages.dtype == v_pages.dtype and (partial or qkv.dtype == k_pages.dtype)
+
+    def cos_sin():
+        angles = positions.astype(jnp.float32)[:, None] * rope_frequencies(head_dim, theta, scaling)
+        return jnp.cos(angles), jnp.sin(angles)
+
+    if implementation == "mosaic" and on_gpu and kernel_inputs:
+        from pallas_kernels.mosaic import rope_append as mosaic  # noqa: PLC0415
+
+        if mosaic.supported(head_dim):
+            return mosaic.rope_append(
+                qkv,
+                *cos_sin(),
+                q_scale,
+                k_scale,
+                k_pages,
+                v_pages,
+                slots.astype(jnp.int32),
+                eps=eps,
+            )
+    if _use_kernel(implementation) and kernel_inputs:
         from pallas_kernels.triton import rope_append as fused  # noqa: PLC0415
 
         if fused.supported(head_dim):
-            angles = positions.astype(jnp.float32)[:, None] * rope_frequencies(
-                head_dim, theta, scaling
-            )
             with quiet_triton_deprecation():
                 return fused.rope_append(
                     qkv,
-                    jnp.cos(angles),
-                    jnp.sin(angles),
+                    *cos_sin(),
                     q_scale,
                     k_scale,
                     k_pages,

@@ -16,6 +16,9 @@ gives every call 16 slots of their own pages (B=16's grid of 128 items, one an S
 then says where a B=16 call's ~23.6 us go (`program_total_median_us`: a region's time in each
 program, summed over its steps), which run 165 left open (benchmarks/NOTES.md, session 32).
 
+`--page-size` keeps the table's 1,216 tokens and the pool's 8,192 in pages of another size
+(run 179: pages of 64 issue a quarter of the copies, and the call is no faster).
+
     python -m probes.decode_b1 --out results.json
 """
 
@@ -41,15 +44,17 @@ TABLE_PAGES = 76  # e2e's B=1 table: 1,216 tokens
 NUM_PAGES = 512
 
 
-def inputs(kv_len: int, seed: int = 0, batch: int = 1):
-    """`batch` slots of `kv_len` tokens, each with its own random pages of one pool."""
+def inputs(kv_len: int, seed: int = 0, batch: int = 1, page: int = PAGE):
+    """`batch` slots of `kv_len` tokens, each with its own random pages of one pool (pages of
+    `page` tokens: the same 1,216-token table and 8,192 pool tokens at any page size)."""
     rng = np.random.default_rng(seed)
     dt = jnp.bfloat16
-    num_pages = max(NUM_PAGES, batch * TABLE_PAGES)
+    table_pages = TABLE_PAGES * PAGE // page
+    num_pages = max(NUM_PAGES * PAGE // page, batch * table_pages)
     q = jnp.asarray(rng.standard_normal((batch, HQ, D)), dt)
-    k = jnp.asarray(rng.standard_normal((num_pages, PAGE, HKV, D)), dt)
-    v = jnp.asarray(rng.standard_normal((num_pages, PAGE, HKV, D)), dt)
-    pages = rng.permutation(num_pages)[: batch * TABLE_PAGES].reshape(batch, TABLE_PAGES)
+    k = jnp.asarray(rng.standard_normal((num_pages, page, HKV, D)), dt)
+    v = jnp.asarray(rng.standard_normal((num_pages, page, HKV, D)), dt)
+    pages = rng.permutation(num_pages)[: batch * table_pages].reshape(batch, table_pages)
     lens = jnp.full((batch,), kv_len, jnp.int32)
     return q, k, v, lens, jnp.asarray(pages, jnp.int32)
 
@@ -120,6 +125,7 @@ def main():
     parser.add_argument(
         "--batch", type=int, default=1, help="slots of the traced call (B=16: a grid of 128 items)"
     )
+    parser.add_argument("--page-size", type=int, default=PAGE, help="tokens a page")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.ranked:  # the rule before session 28: a grid of items always ranked its slots
@@ -133,6 +139,7 @@ def main():
     for kv_len in args.kv_lens:
         for splits in args.splits:
             case = dict(case="cupti", kv_len=kv_len, splits=splits or "default", cold=args.cold)
+            case["page_size"] = args.page_size
             case["ranked"] = args.ranked
             fn = wrap(
                 functools.partial(
@@ -140,7 +147,9 @@ def main():
                 )
             )
             try:
-                kernels = per_kernel_us(fn, *prefix, *inputs(kv_len, batch=args.batch))
+                kernels = per_kernel_us(
+                    fn, *prefix, *inputs(kv_len, batch=args.batch, page=args.page_size)
+                )
                 case["kernels"] = kernels
                 # --cold's buffer rewrite (~120 us) is not the call's.
                 flush = [us for name, us in kernels if us > 50 and "mosaic" not in name]
@@ -154,9 +163,11 @@ def main():
             functools.partial(paged_decode_attention, sm_scale=D**-0.5, profile_dir=directory)
         )
         for _ in range(3):  # the last of three calls: compiled, and the L2 as --cold asks
-            jax.block_until_ready(fn(*prefix, *inputs(1097, batch=args.batch)))
+            jax.block_until_ready(fn(*prefix, *inputs(1097, batch=args.batch, page=args.page_size)))
         path = sorted(glob.glob(os.path.join(directory, "*.json")), key=os.path.getmtime)[-1]
-        trace = dict(case="trace", kv_len=1097, batch=args.batch, cold=args.cold)
+        trace = dict(
+            case="trace", kv_len=1097, batch=args.batch, cold=args.cold, page_size=args.page_size
+        )
         trace.update(timeline(path))
         print(json.dumps(trace), flush=True)
         cases.append(trace)

@@ -4,6 +4,8 @@ GPU (`-m gpu`). `jaxpaged.rope_append` (qk-norm, RoPE and the K/V append of an a
 layer: pallas_kernels/triton/rope_append.py) and `jaxpaged.add_rms_norm` (a residual add and
 the RMSNorm after it: pallas_kernels/triton/add_rms_norm.py)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 
 from jaxpaged.layers import RopeScaling, add_rms_norm, rope_append, rope_frequencies
 from pallas_kernels.common import poison_outputs
+from tests.helpers import lower_for_hopper
 
 # q and the new K are RMS-normalized rows (times scales near 1) rotated: values up to ~4. The
 # reference and the kernel round twice, after the norm and after the rotation (half an ulp
@@ -21,6 +24,11 @@ IMPLEMENTATIONS = [
     pytest.param("xla", id="xla"),
     pytest.param("triton", id="triton"),
     pytest.param(None, id="auto-gpu", marks=pytest.mark.gpu),
+]
+# rope_append also has a Mosaic GPU kernel (`implementation="mosaic"`; the reference off-GPU).
+ROPE_IMPLEMENTATIONS = [
+    *IMPLEMENTATIONS,
+    pytest.param("mosaic", id="mosaic-gpu", marks=pytest.mark.gpu),
 ]
 NUM_PAGES, PAGE = 6, 4
 
@@ -62,7 +70,7 @@ def _inputs(num_tokens, num_kv_heads, group, head_dim, dtype, seed):
     return cast[0], positions, cast[1], cast[2], jnp.asarray(slots, jnp.int32), cast[3:]
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", ROPE_IMPLEMENTATIONS)
 @pytest.mark.parametrize(
     "dtype,group,head_dim,qk_norm,scaling",
     [
@@ -116,7 +124,7 @@ def test_rope_append_matches_the_oracle(implementation, dtype, group, head_dim, 
     np.testing.assert_array_equal(v_rows[rest], old_v.reshape(flat)[rest])
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", ROPE_IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype,splits", [(jnp.bfloat16, 4), (jnp.float16, 2), (jnp.float32, 3)])
 def test_rope_append_sums_partial_products(implementation, dtype, splits):
     """qkv as float32 partial sums [S, T, Hkv, G + 2, D] (a split-K projection's): summed,
@@ -158,6 +166,57 @@ def test_rope_append_sums_partial_products(implementation, dtype, splits):
     np.testing.assert_allclose(
         v_pages.reshape(flat)[live], want_v[:-2], rtol=float(jnp.finfo(dtype).eps), atol=1e-5
     )
+
+
+@pytest.mark.parametrize(
+    "partial,dtype,group,head_dim,qk_norm",
+    [
+        (True, jnp.bfloat16, 2, 128, True),
+        (False, jnp.float16, 1, 256, True),
+        (False, jnp.bfloat16, 4, 64, False),  # two rows a warp
+        (True, jnp.float32, 3, 128, True),
+    ],
+)
+def test_mosaic_rope_append_lowers_to_one_kernel_writing_the_pages_in_place(
+    partial, dtype, group, head_dim, qk_norm
+):
+    """The Mosaic GPU kernel, cross-lowered for sm_90 here (its arithmetic runs on the GPU
+    only: `mosaic-gpu` above): one Mosaic GPU custom call, no Triton one, its outputs q and the
+    two page arrays, the pages aliased to the page operands (a donated pool is updated in
+    place, not copied)."""
+    from pallas_kernels.mosaic import rope_append as mosaic  # noqa: PLC0415
+
+    num_tokens, num_kv_heads = 5, 2
+    shape = (num_tokens, num_kv_heads, group + 2, head_dim)
+    qkv = jax.ShapeDtypeStruct((4, *shape) if partial else shape, jnp.float32 if partial else dtype)
+    angles = jax.ShapeDtypeStruct((num_tokens, head_dim // 2), jnp.float32)
+    scale = jax.ShapeDtypeStruct((head_dim,), dtype) if qk_norm else None
+    pages = jax.ShapeDtypeStruct((NUM_PAGES, PAGE, num_kv_heads, head_dim), dtype)
+    slots = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
+
+    def fn(qkv, cos, sin, q_scale, k_scale, k_pages, v_pages, slots):
+        return mosaic.rope_append(
+            qkv, cos, sin, q_scale, k_scale, k_pages, v_pages, slots, eps=1e-6
+        )
+
+    text = lower_for_hopper(fn, qkv, angles, angles, scale, scale, pages, pages, slots)
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "@mosaic_gpu" in calls[0], calls
+    aliased = re.findall(r"operand_index = (\d+)", calls[0])
+    num_inputs = 4 + 2 * qk_norm
+    assert sorted(map(int, aliased)) == [num_inputs, num_inputs + 1], calls[0]
+
+
+def test_mosaic_rope_append_takes_head_dims_of_64_128_and_256():
+    from pallas_kernels.mosaic import rope_append as mosaic  # noqa: PLC0415
+
+    assert [d for d in range(8, 513, 8) if mosaic.supported(d)] == [64, 128, 256]
+    pages = jnp.zeros((NUM_PAGES, PAGE, 2, 96), jnp.bfloat16)
+    qkv = jnp.ones((3, 2, 4, 96), jnp.bfloat16)
+    angles = jnp.ones((3, 48), jnp.float32)
+    slots = jnp.zeros((3,), jnp.int32)
+    with pytest.raises(ValueError, match="D of 64, 128 or 256"):
+        mosaic.rope_append(qkv, angles, angles, None, None, pages, pages, slots, eps=1e-6)
 
 
 def test_rope_append_rejects_bad_arguments():

@@ -194,7 +194,15 @@ def _greedy_report(seq: Sequence, ref: Sequence) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize(("backend", "prompt_len", "chunk"), _cases(CPU_BF16))
+# The Mosaic path on the GPU: Mosaic attention and the Mosaic GPU `rope_append` (the auto path
+# runs the Triton one), on a few of the shapes.
+MOSAIC_BF16 = [
+    pytest.param("mosaic", p, c, id=f"mosaic-gpu-p{p}-c{c}", marks=pytest.mark.gpu)
+    for p, c in ((1, 1), (PAGE + 1, 7), (3 * PAGE + 5, PAGE), (300, 64))
+]
+
+
+@pytest.mark.parametrize(("backend", "prompt_len", "chunk"), _cases(CPU_BF16) + MOSAIC_BF16)
 def test_chunked_prefill_greedy_continuation_bf16(backend, prompt_len, chunk):
     require(backend)
     ref = _single_shot(backend, jnp.bfloat16, prompt_len, 32, induction=True)
