@@ -321,6 +321,24 @@ def _use_kernel(implementation: str | None) -> bool:
     return implementation == "triton" or (implementation != "xla" and on_gpu)
 
 
+def _rope_append_kernel(implementation: str | None, head_dim: int):
+    """The kernel `rope_append` runs, or None for the reference: the Mosaic GPU one for
+    "mosaic" on a GPU, else the Triton one where `_use_kernel` says (interpret mode off-GPU),
+    each where it takes `head_dim`."""
+    on_gpu = jax.default_backend() == "gpu"
+    if implementation == "mosaic" and on_gpu:
+        from pallas_kernels.mosaic import rope_append as mosaic  # noqa: PLC0415
+
+        if mosaic.supported(head_dim):
+            return mosaic.rope_append
+    if _use_kernel(implementation):
+        from pallas_kernels.triton import rope_append as fused  # noqa: PLC0415
+
+        if fused.supported(head_dim):
+            return functools.partial(fused.rope_append, interpret=not on_gpu)
+    return None
+
+
 def rope_append(
     qkv: jax.Array,
     positions: jax.Array,
@@ -381,20 +399,18 @@ def rope_append(
             f"q_scale and k_scale must be [D={head_dim}]; got {q_scale.shape}, {k_scale.shape}"
         )
     group = group2 - 2
-    on_gpu = jax.default_backend() == "gpu"
-    kernel_inputs = k_pages.dtype == v_pages.dtype and (partial or qkv.dtype == k_pages.dtype)
-
-    def cos_sin():
+    kernel = (
+        _rope_append_kernel(implementation, head_dim)
+        if (k_pages.dtype == v_pages.dtype and (partial or qkv.dtype == k_pages.dtype))
+        else None
+    )
+    if kernel is not None:
         angles = positions.astype(jnp.float32)[:, None] * rope_frequencies(head_dim, theta, scaling)
-        return jnp.cos(angles), jnp.sin(angles)
-
-    if implementation == "mosaic" and on_gpu and kernel_inputs:
-        from pallas_kernels.mosaic import rope_append as mosaic  # noqa: PLC0415
-
-        if mosaic.supported(head_dim):
-            return mosaic.rope_append(
+        with quiet_triton_deprecation():
+            return kernel(
                 qkv,
-                *cos_sin(),
+                jnp.cos(angles),
+                jnp.sin(angles),
                 q_scale,
                 k_scale,
                 k_pages,
@@ -402,22 +418,6 @@ def rope_append(
                 slots.astype(jnp.int32),
                 eps=eps,
             )
-    if _use_kernel(implementation) and kernel_inputs:
-        from pallas_kernels.triton import rope_append as fused  # noqa: PLC0415
-
-        if fused.supported(head_dim):
-            with quiet_triton_deprecation():
-                return fused.rope_append(
-                    qkv,
-                    *cos_sin(),
-                    q_scale,
-                    k_scale,
-                    k_pages,
-                    v_pages,
-                    slots.astype(jnp.int32),
-                    eps=eps,
-                    interpret=not on_gpu,
-                )
     if partial:
         qkv = qkv.sum(0).astype(k_pages.dtype)
     q = qkv[:, :, :group].reshape(num_tokens, num_kv_heads * group, head_dim)
