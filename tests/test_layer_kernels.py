@@ -1,8 +1,9 @@
 """The layer ops with Pallas kernels of their own, against float64 numpy oracles: the
 reference ("xla") and the kernel (Triton lowering) in interpret mode on CPU and compiled on a
 GPU (`-m gpu`). `jaxpaged.rope_append` (qk-norm, RoPE and the K/V append of an attention
-layer: pallas_kernels/triton/rope_append.py) and `jaxpaged.add_rms_norm` (a residual add and
-the RMSNorm after it: pallas_kernels/triton/add_rms_norm.py)."""
+layer: pallas_kernels/triton/rope_append.py, and on the GPU the Mosaic GPU kernel of
+pallas_kernels/mosaic/rope_append.py, cross-lowered here) and `jaxpaged.add_rms_norm` (a
+residual add and the RMSNorm after it: pallas_kernels/triton/add_rms_norm.py)."""
 
 import re
 
