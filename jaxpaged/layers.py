@@ -23,6 +23,7 @@ from jaxpaged.attention import (
     paged_decode_attention,
     quiet_triton_deprecation,
     ragged_paged_attention,
+    resolve_implementation,
 )
 from jaxpaged.kv_cache import append_kv, kv_slots, write_kv
 from jaxpaged.reference import token_positions
@@ -405,12 +406,10 @@ def rope_append(
         else None
     )
     if kernel is not None:
-        angles = positions.astype(jnp.float32)[:, None] * rope_frequencies(head_dim, theta, scaling)
         with quiet_triton_deprecation():
             return kernel(
                 qkv,
-                jnp.cos(angles),
-                jnp.sin(angles),
+                *_rope_angles(positions, head_dim, theta, scaling),
                 q_scale,
                 k_scale,
                 k_pages,
@@ -428,6 +427,41 @@ def rope_append(
     k = apply_rope(k, positions, theta, scaling).astype(k_pages.dtype)
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v.astype(v_pages.dtype), slots)
     return q, k_pages, v_pages
+
+
+def _rope_angles(positions, head_dim, theta, scaling) -> tuple[jax.Array, jax.Array]:
+    """cos and sin f32[T, D / 2] of RoPE's angles at `positions` i32[T], as the kernels take
+    them."""
+    angles = positions.astype(jnp.float32)[:, None] * rope_frequencies(head_dim, theta, scaling)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _folds_rope(qkv, k_pages, v_pages, meta, implementation) -> bool:
+    """Whether a step's `rope_append` and attention run as one Mosaic GPU kernel
+    (`pallas_kernels.mosaic.paged_decode.rope_append_decode_attention`): a decode step without
+    shared prefixes whose attention runs the Mosaic GPU decode kernel (`implementation`
+    "mosaic", or None where `jaxpaged.dispatch` picks it), in a grid of items
+    (`folds_rope`), with qkv as float32 partial sums or in the pages' dtype."""
+    if not meta.decode or meta.prefix_groups is not None or k_pages.dtype != v_pages.dtype:
+        return False
+    if jax.default_backend() != "gpu" or not (qkv.ndim == 5 or qkv.dtype == k_pages.dtype):
+        return False
+    num_seqs, num_kv_heads, _, head_dim = qkv.shape[-4:]
+    name = resolve_implementation(
+        "decode",
+        implementation,
+        k_pages.dtype,
+        head_dim=head_dim,
+        page_size=k_pages.shape[1],
+        num_seqs=num_seqs,
+        num_kv_heads=num_kv_heads,
+        max_kv_len=meta.page_indices.shape[1] * k_pages.shape[1],
+    )
+    if name != "mosaic":
+        return False
+    from pallas_kernels.mosaic import paged_decode as mosaic  # noqa: PLC0415
+
+    return mosaic.folds_rope(num_seqs, num_kv_heads, head_dim)
 
 
 TP_AXIS = "tp"  # the mesh axis tensor parallelism splits heads over
@@ -547,20 +581,43 @@ class PagedAttention(nnx.Module):
         tp = tensor_parallel_size()
         if tp == 1 and meta.kv_slots is not None:
             qkv = self._qkv(x, partial=True)
-            q, k_pages, v_pages = rope_append(
-                qkv,
-                meta.positions,
-                k_pages,
-                v_pages,
-                meta.kv_slots,
-                theta=self.rope_theta,
-                scaling=self.rope_scaling,
-                q_scale=None if self.q_norm is None else self.q_norm.scale[...],
-                k_scale=None if self.k_norm is None else self.k_norm.scale[...],
-                eps=self.eps,
-                implementation=implementation,
-            )
-            out, k_pages, v_pages = attend(q, None, None, k_pages, v_pages, meta)
+            q_scale = None if self.q_norm is None else self.q_norm.scale[...]
+            k_scale = None if self.k_norm is None else self.k_norm.scale[...]
+            if _folds_rope(qkv, k_pages, v_pages, meta, implementation):
+                from pallas_kernels.mosaic import paged_decode as mosaic  # noqa: PLC0415
+
+                angles = _rope_angles(
+                    meta.positions, self.head_dim, self.rope_theta, self.rope_scaling
+                )
+                out, _, k_pages, v_pages = mosaic.rope_append_decode_attention(
+                    qkv,
+                    *angles,
+                    q_scale,
+                    k_scale,
+                    k_pages,
+                    v_pages,
+                    meta.kv_slots,
+                    meta.kv_lens,
+                    meta.page_indices,
+                    eps=self.eps,
+                    sm_scale=self.head_dim**-0.5,
+                    sliding_window=self.sliding_window,
+                )
+            else:
+                q, k_pages, v_pages = rope_append(
+                    qkv,
+                    meta.positions,
+                    k_pages,
+                    v_pages,
+                    meta.kv_slots,
+                    theta=self.rope_theta,
+                    scaling=self.rope_scaling,
+                    q_scale=q_scale,
+                    k_scale=k_scale,
+                    eps=self.eps,
+                    implementation=implementation,
+                )
+                out, k_pages, v_pages = attend(q, None, None, k_pages, v_pages, meta)
             out = out.reshape(num_tokens, -1).astype(x.dtype)
             split = partial_sums and self.o_proj.bias is None
             splits = decode_split_k(out, output=True) if split else 1

@@ -8,7 +8,10 @@ decode feature matrix. The shared decode body in tests/test_attention.py runs th
 (backend "mosaic-gpu").
 """
 
+import dataclasses
+import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jaxpaged
 from pallas_kernels.common import poison_outputs
 from pallas_kernels.mosaic import paged_decode as mosaic
+from pallas_kernels.mosaic import rope_append as rope_append_kernel
 from pallas_kernels.mosaic import slot_order
 from tests.helpers import assert_close, latin_square, lower_for_hopper, make_batch, oracle
 
@@ -487,3 +491,160 @@ def test_all_slots_inactive():
     out, lse = _run(batch)
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), 0.0)
     assert np.isneginf(np.asarray(lse)).all()
+
+
+# `rope_append_decode_attention`: a decode step's `rope_append` and attention in one kernel.
+
+
+def _rope_inputs(rng, batch, group, partial, qk_norm):
+    """qkv (in the pages' dtype, or float32 partial sums of 3 parts), cos, sin, the scales and
+    the slots of the new tokens (-1 for an empty slot but the last, which writes to a spare
+    slot of an unused page), with the pages at the new tokens' slots set to NaN: the kernel
+    must not read what the pages held there."""
+    num_seqs = batch.kv_lens.shape[0]
+    num_pages, page_size, num_kv_heads, head_dim = batch.k_pages.shape
+    dtype = batch.k_pages.dtype
+    shape = (num_seqs, num_kv_heads, group + 2, head_dim)
+    qkv = 2 * rng.standard_normal((3, *shape) if partial else shape)
+    qkv = jnp.asarray(qkv, jnp.float32 if partial else dtype)
+    lens, table = np.asarray(batch.kv_lens), np.asarray(batch.page_indices)
+    last = np.maximum(lens, 1) - 1
+    slots = np.where(lens > 0, table[np.arange(num_seqs), last // page_size] * page_size, -1)
+    slots = np.where(lens > 0, slots + last % page_size, -1)
+    spare = np.setdiff1d(np.arange(num_pages), table[lens > 0].ravel())
+    empty = np.flatnonzero(lens == 0)
+    if len(empty) and len(spare):
+        slots[empty[-1]] = spare[0] * page_size + 1
+    k, v = np.array(batch.k_pages), np.array(batch.v_pages)
+    live = slots[slots >= 0]
+    for pages in (k, v):
+        pages.reshape(-1, num_kv_heads, head_dim)[live] = np.nan
+    positions = jnp.asarray(last, jnp.int32)
+    freq = jaxpaged.rope_frequencies(head_dim, 1e6)
+    angles = positions.astype(jnp.float32)[:, None] * freq
+    scales = (
+        tuple(jnp.asarray(1 + 0.3 * rng.standard_normal(head_dim), dtype) for _ in range(2))
+        if qk_norm
+        else (None, None)
+    )
+    return (
+        qkv,
+        jnp.cos(angles),
+        jnp.sin(angles),
+        *scales,
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(slots, jnp.int32),
+        positions,
+    )
+
+
+def _fold_fn(**options):
+    options = {"eps": 1e-6, "sm_scale": 0.125, **options}
+    return lambda *args: mosaic.rope_append_decode_attention(*args, **options)
+
+
+@pytest.mark.parametrize(
+    "partial,dtype,group,head_dim,qk_norm,splits",
+    [
+        (True, jnp.bfloat16, 2, 128, True, 1),
+        (False, jnp.float16, 1, 256, False, 4),  # the merge kernel after it
+        (True, jnp.bfloat16, 8, 64, True, 2),
+    ],
+)
+def test_rope_fold_cross_lowers(partial, dtype, group, head_dim, qk_norm, splits):
+    """One Mosaic GPU kernel (and the Mosaic merge with several splits), no Triton one, its
+    page outputs aliased to the page operands."""
+    num_seqs, num_kv_heads, page_size = 3, 2, 16
+    shape = (num_seqs, num_kv_heads, group + 2, head_dim)
+    qkv = jax.ShapeDtypeStruct((4, *shape) if partial else shape, jnp.float32 if partial else dtype)
+    angles = jax.ShapeDtypeStruct((num_seqs, head_dim // 2), jnp.float32)
+    scale = jax.ShapeDtypeStruct((head_dim,), dtype) if qk_norm else None
+    pages = jax.ShapeDtypeStruct((40, page_size, num_kv_heads, head_dim), dtype)
+    vector = jax.ShapeDtypeStruct((num_seqs,), jnp.int32)
+    # A table of 8 pages a row: 128 keys, one step of 128 (D <= 128) or two of 64.
+    table = jax.ShapeDtypeStruct((num_seqs, 8 * splits), jnp.int32)
+    text = lower_for_hopper(
+        _fold_fn(), qkv, angles, angles, scale, scale, pages, pages, vector, vector, table
+    )
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert all("@mosaic_gpu" in call for call in calls) and len(calls) == 1 + (splits > 1), calls
+    aliased = re.findall(r"operand_index = (\d+)", calls[0])
+    num_front = 4 + 2 * qk_norm
+    assert sorted(map(int, aliased)) == [num_front, num_front + 1], calls[0]
+
+
+def test_rope_fold_takes_a_grid_of_items_and_head_dims_of_64_128_256():
+    """Persistent programs (more (sequence, KV head) pairs than SMs) and D=192 (whose lanes'
+    elements straddle the swizzle's 16-byte chunks) run `rope_append` apart."""
+    assert mosaic.folds_rope(16, 8, 128) and mosaic.folds_rope(1, 8, 64)
+    assert not mosaic.folds_rope(64, 8, 128) and not mosaic.folds_rope(1, 8, 192)
+    qkv = jnp.ones((64, 8, 4, 128), jnp.bfloat16)
+    angles = jnp.ones((64, 64), jnp.float32)
+    pages = jnp.zeros((4, 16, 8, 128), jnp.bfloat16)
+    lens = jnp.ones((64,), jnp.int32)
+    with pytest.raises(ValueError, match="at most one \\(sequence, KV head\\) pair per SM"):
+        _fold_fn()(qkv, angles, angles, None, None, pages, pages, lens, lens, lens[:, None])
+
+
+FOLD_CASES = [
+    # partial, dtype, group, head_dim, page_size, qk_norm, options
+    (True, jnp.bfloat16, 2, 128, 16, True, {}),
+    (False, jnp.bfloat16, 4, 64, 16, False, {}),
+    (True, jnp.float16, 1, 256, 16, True, {}),
+    (True, jnp.bfloat16, 8, 128, 64, True, {}),
+    (False, jnp.float16, 3, 128, 16, True, dict(sliding_window=70)),
+    (True, jnp.bfloat16, 2, 128, 16, False, dict(sliding_window=1, logits_soft_cap=7.0)),
+    (True, jnp.bfloat16, 16, 64, 64, True, dict(logits_soft_cap=2.5)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "partial,dtype,group,head_dim,page_size,qk_norm,options",
+    FOLD_CASES,
+    ids=lambda v: jnp.dtype(v).name if isinstance(v, type) else None,
+)
+def test_rope_fold_matches_rope_append_then_attention(
+    partial, dtype, group, head_dim, page_size, qk_norm, options
+):
+    """Against `rope_append` (the Mosaic GPU kernel) then the float64 oracle over its q and
+    pages: the same pages bit for bit (the fold runs the same per-lane code), and attention
+    within the dtype's tolerance. Lengths cover an empty slot (one writing to a spare page,
+    one writing nothing), the new key alone, step and page boundaries and several splits;
+    the new tokens' slots hold NaN before the call and unused pages NaN throughout."""
+    rng = np.random.default_rng(group * head_dim + page_size)
+    lens = [0, 1, 2, page_size, page_size + 1, 64, 65, 127, 128, 129, 300, 1000, 0]
+    num_kv_heads = 2
+    batch = _decode_batch(
+        rng,
+        lens,
+        num_q_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+    )
+    qkv, cos, sin, q_scale, k_scale, k_pages, v_pages, slots, positions = _rope_inputs(
+        rng, batch, group, partial, qk_norm
+    )
+    with poison_outputs():
+        out, lse, got_k, got_v = jax.jit(_fold_fn(**options))(
+            qkv,
+            cos,
+            sin,
+            q_scale,
+            k_scale,
+            k_pages,
+            v_pages,
+            slots,
+            batch.kv_lens,
+            batch.page_indices,
+        )
+        q, want_k, want_v = jax.jit(functools.partial(rope_append_kernel.rope_append, eps=1e-6))(
+            qkv, cos, sin, q_scale, k_scale, k_pages, v_pages, slots
+        )
+    for got, want in ((got_k, want_k), (got_v, want_v)):  # NaN == NaN: the untouched pages
+        np.testing.assert_array_equal(*(np.asarray(a.astype(jnp.float32)) for a in (got, want)))
+    written = dataclasses.replace(batch, q=q, k_pages=want_k, v_pages=want_v)
+    assert_close(out, lse, *oracle(written, sm_scale=0.125, **options), dtype)

@@ -17,6 +17,11 @@ Two or three warpgroups per program:
   states at each item's end (`compute_item`). Compute alone takes 58.7 us a call at the `1b`
   shape at B=64, against the page stream's 69.5 and the kernel's 75.8 (benchmarks/NOTES.md,
   run 110): the two overlap imperfectly.
+
+With `RopeFold` (a grid of items, one compute warpgroup) the kernel also does the layer's
+`rope_append`: the compute warpgroup builds its Q tile from the QKV projection with the
+per-lane code of `pallas_kernels.mosaic.rope_append` while the first pages stream in, and the
+new key's K/V row reaches the pages and the last stage from it (`rope_q`, `put_new_row`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import (
@@ -39,6 +47,7 @@ from pallas_kernels.common import (
     visible,
 )
 from pallas_kernels.mosaic import pipeline, slot_order
+from pallas_kernels.mosaic import rope_append as rope_rows
 
 TILE_M = 64  # `wgmma` M: the rows of the score tile.
 
@@ -64,11 +73,24 @@ class Scratch(NamedTuple):
     merge_smem: Any = None
     merge_ready: Any = None
     merge_free: Any = None
+    new_kv: Any = None  # with `RopeFold`: [2, D] the new token's k and v rows, in q's dtype
 
 
-def scratch(config, dtype, partial_dtype, head_dim, page_size, ordering, num_seq_slots):
+class RopeFold(NamedTuple):
+    """The kernel also does `rope_append` (`paged_decode.rope_append_decode_attention`): its
+    compute warpgroup builds the Q tile from the QKV projection (qk-norm with `qk_norm`, RoPE)
+    instead of copying it, the split whose steps hold the new key writes k and v into the
+    pages, and that split's last step puts them in its K and V stages in place of what the
+    page copy brought (which may predate the write)."""
+
+    eps: float
+    qk_norm: bool
+
+
+def scratch(config, dtype, partial_dtype, head_dim, page_size, ordering, num_seq_slots, rope=False):
     """The `Scratch` types of a call: K/V stages of `dtype`, output staging in
-    `partial_dtype` (q's dtype with one split, float32 partials with more)."""
+    `partial_dtype` (q's dtype with one split, float32 partials with more), and with `rope`
+    (a `RopeFold` call) the new k and v rows."""
     stages, block_kv = config.num_stages, config.block_kv
     kv_buffer = plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=pipeline.TILED)
     staging = (
@@ -106,15 +128,17 @@ def scratch(config, dtype, partial_dtype, head_dim, page_size, ordering, num_seq
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         *order,
-        *merge,
+        *(merge or (None, None, None)),
+        plgpu.SMEM((2, head_dim), dtype) if rope else None,
     )
 
 
 def smem_bytes(config, head_dim: int, itemsize: int) -> int:
-    """Shared memory of one program (`scratch`), at most: the K and V stages and the Q tile,
-    for persistent programs the output staging buffers (float32 partials at most) besides,
-    and with `longest_first` the lengths and order of `order_slots`."""
-    smem = (2 * config.num_stages * config.block_kv + TILE_M) * head_dim * itemsize
+    """Shared memory of one program (`scratch`), at most: the K and V stages, the Q tile and
+    a `RopeFold` call's new k and v rows, for persistent programs the output staging buffers
+    (float32 partials at most) besides, and with `longest_first` the lengths and order of
+    `order_slots`."""
+    smem = (2 * config.num_stages * config.block_kv + TILE_M + 2) * head_dim * itemsize
     if config.persistent:
         smem += TILE_M * (head_dim + 1) * 4
     if config.longest_first:
@@ -137,6 +161,7 @@ def make_body(
     num_programs,
     items_per_program,
     ordering,
+    rope: RopeFold | None = None,
 ):
     """The kernel body. Work comes in items, one (KV head, split, sequence slot) each. Without
     `config.persistent` the grid is the items themselves; with it, each of the grid's programs
@@ -144,12 +169,22 @@ def make_body(
     running on into the next item's pages while compute finishes the last one's steps.
 
     The body takes the refs of q, k_pages, v_pages, kv_lens and page_indices, with `ordering`
-    "xla" the slot order (`slot_order.slots_by_length`), then out and lse, then `Scratch`."""
+    "xla" the slot order (`slot_order.slots_by_length`), then out and lse, then `Scratch`.
+    With `rope` (a grid of items, one compute warpgroup) q's place is taken by the refs of
+    `rope_append_decode_attention`'s qkv, cos, sin, the q and k scales (with `qk_norm`) and
+    slots, and the pages are written."""
     block_kv, stages = config.block_kv, config.num_stages
     q_rows = q_copy_rows(group)
+    if rope is not None and (config.persistent or config.compute_warpgroups != 1):
+        raise ValueError("RopeFold takes a grid of items and one compute warpgroup")
 
-    def body(q_ref, k_ref, v_ref, lens_ref, table_ref, *refs):
-        *order_input, out_ref, lse_ref, scratch = refs
+    def body(*refs):
+        if rope is None:
+            q_ref, *refs = refs
+        else:
+            num_rope = 4 + 2 * rope.qk_norm
+            rope_refs, refs = refs[:num_rope], refs[num_rope:]
+        k_ref, v_ref, lens_ref, table_ref, *order_input, out_ref, lse_ref, scratch = refs
         if ordering == "kernel":  # where kv_lens are read: the copy of `order_slots`
             lens, order_ref = scratch.lens_smem, scratch.order_smem
         else:
@@ -230,9 +265,10 @@ def make_body(
             o_smem[...] = out.astype(o_smem.dtype)
             lse_smem[...] = lse
             plgpu.commit_smem()
-            # The group sits at rows [tile_row, tile_row + group) of the tile (`q_tile_start`);
-            # only those rows are written, at the group's heads of the final layout.
-            tile_row = lax.rem(kv_head * group, 8)
+            # The group sits at rows [tile_row, tile_row + group) of the tile (`q_tile_start`;
+            # from 0 with `rope`); only those rows are written, at the group's heads of the
+            # final layout.
+            tile_row = lax.rem(kv_head * group, 8) if rope is None else 0
             heads = pl.ds(kv_head * group, group)
             out_dst, lse_dst = (
                 (out_ref, lse_ref)
@@ -245,6 +281,96 @@ def make_body(
                 lse_dst[seq, kv_head * group + r] = lse_smem[tile_row + r]
             if not config.persistent:
                 plgpu.wait_smem_to_gmem(0)
+
+        def rope_q(kv_head, split, seq, kv_len):
+            """With `rope`: the group's Q tile rows [0, group) and the new k and v rows
+            (`scratch.new_kv`) from the projection; the pages get k and v from the split that
+            holds the new key (split 0 of an empty slot: as `rope_append`, a slot outside the
+            pool writes nothing). Tile rows past the group are never written: their scores
+            are garbage that no output row reads (rows do not mix)."""
+            parts, cos, sin, *scales, slots = rope_refs
+            first = 0 if sliding_window is None else jnp.maximum(kv_len - sliding_window, 0)
+            new_step = (jnp.maximum(kv_len, 1) - 1) // block_kv
+            writer = (new_step - first // block_kv) // chunk == split
+            slot = jnp.where(writer, slots[seq], -1)
+            arg_types = (plgpu.RefType(),) * (5 + len(scales)) + (
+                plgpu.RefType(pipeline.TILED),
+                plgpu.RefType(),
+                plgpu.Layout.WG_SPLAT(shape=()),
+            )
+
+            @plgpu.inline_mgpu(arg_types=arg_types)
+            def rows(ctx, parts, cos, sin, *refs):
+                del ctx
+                *scales, k_pages, v_pages, q_tile, new_kv, slot = refs
+
+                def store_q(row, lo, hi, rot_lo, rot_hi):
+                    vector.store(rot_lo, q_tile, pipeline.tiled_indices(row, lo))
+                    vector.store(rot_hi, q_tile, pipeline.tiled_indices(row, hi))
+
+                def store_new(which, lo, hi, x_lo, x_hi):
+                    which = mgpu_utils.c(which, ir.IndexType.get())
+                    vector.store(x_lo, new_kv, [which, lo])
+                    vector.store(x_hi, new_kv, [which, hi])
+
+                rope_rows.emit_rope_rows(
+                    parts,
+                    cos,
+                    sin,
+                    scales or None,
+                    slot.registers.item(),
+                    k_pages,
+                    v_pages,
+                    eps=rope.eps,
+                    store_q=store_q,
+                    store_new=store_new,
+                )
+
+            rows(
+                parts.at[:, seq, kv_head],
+                cos.at[seq],
+                sin.at[seq],
+                *scales,
+                k_ref.at[:, :, kv_head],
+                v_ref.at[:, :, kv_head],
+                q_smem,
+                scratch.new_kv,
+                slot,
+            )
+            plgpu.commit_smem()  # the Q tile, for `wgmma`; the new rows, for `put_new_row`
+
+        def put_new_row(which, stage, row):
+            """With `rope`: the new k (`which` 0) or v (1) row into row `row` of a K or V stage
+            [block_kv, D] that its page copy has filled, then made visible to `wgmma`."""
+
+            @plgpu.inline_mgpu(
+                arg_types=(
+                    plgpu.RefType(),
+                    plgpu.RefType(pipeline.TILED),
+                    plgpu.Layout.WG_SPLAT(shape=()),
+                )
+            )
+            def put(ctx, new_kv, stage, row):
+                del ctx
+                index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
+                head_dim = ir.MemRefType(new_kv.type).shape[1]
+                dtype = ir.MemRefType(new_kv.type).element_type
+                # 16 bytes a thread: D / 8 threads take the row.
+                tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
+                row = arith.index_cast(index, row.registers.item())
+                with mgpu_utils.when(
+                    arith.cmpi(arith.CmpIPredicate.ult, tid, mgpu_utils.c(head_dim // 8, i32))
+                ):
+                    col = arith.index_cast(index, arith.muli(tid, mgpu_utils.c(8, i32)))
+                    x = vector.load(
+                        ir.VectorType.get([8], dtype),
+                        new_kv,
+                        [mgpu_utils.c(which, index), col],
+                    )
+                    vector.store(x, stage, pipeline.tiled_indices(row, col))
+
+            put(scratch.new_kv, stage, row)
+            plgpu.commit_smem()
 
         def copy_q(kv_head, seq):
             plgpu.copy_gmem_to_smem(
@@ -272,15 +398,21 @@ def make_body(
             first merges the two, copies the next item's Q tile (both are done with this
             one's) and writes the output."""
             kv_len, step0, num_steps = steps_of(split, seq, valid)
-            if next_q is None and w == 0:
+            if rope is not None:
+                rope_q(kv_head, split, seq, kv_len)
+                # The step and row of the new key, in the split whose steps hold it.
+                new_i = jnp.where(kv_len > 0, (kv_len - 1) // block_kv - step0, -1)
+                new_row = lax.rem(jnp.maximum(kv_len, 1) - 1, block_kv)
+            elif next_q is None and w == 0:
                 copy_q(kv_head, seq)
             head_dim = q_smem.shape[-1]
             acc = plgpu.layout_cast(jnp.zeros((TILE_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
             row = plgpu.Layout.WGMMA.reduce(1)
             m = plgpu.layout_cast(jnp.full((TILE_M,), -jnp.inf, jnp.float32), row)
             l = plgpu.layout_cast(jnp.zeros((TILE_M,), jnp.float32), row)
-            with jax.named_scope("wait_q"):
-                plgpu.barrier_wait(q_barrier)
+            if rope is None:
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(q_barrier)
             if next_q is not None and not pair:
                 pl.when(num_steps == 0)(next_q)
 
@@ -293,6 +425,8 @@ def make_body(
                 start = (step0 + i) * block_kv
                 with jax.named_scope("wait_k"):
                     plgpu.barrier_wait(k_ready.at[slot])
+                if rope is not None:
+                    pl.when(i == new_i)(lambda: put_new_row(0, k_smem.at[slot], new_row))
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -312,6 +446,8 @@ def make_body(
                 acc = acc * alpha[:, None]
                 with jax.named_scope("wait_v"):
                     plgpu.barrier_wait(v_ready.at[slot])
+                if rope is not None:
+                    pl.when(i == new_i)(lambda: put_new_row(1, v_smem.at[slot], new_row))
 
                 pipeline.zero_invisible_v(v_smem.at[slot], start, kv_len, sliding_window)
 

@@ -15,6 +15,10 @@ clamps happen in the kernel); with more, the f32 partials are merged by a second
 kernel (`pallas_kernels.mosaic.merge`), or in XLA (`pallas_kernels.common.merge_splits`) for
 more splits than it takes. Keys past `kv_len` or before a sliding window never
 reach the output (`pipeline`).
+
+`rope_append_decode_attention` is the same kernel taking a decode step's QKV projection
+instead of q: it does the layer's `rope_append` too (`decode_body.RopeFold`), one kernel fewer
+a layer, for calls of a grid of items (`folds_rope`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pallas_kernels.common import (
 )
 from pallas_kernels.mosaic import decode_body, slot_order
 from pallas_kernels.mosaic import merge as mosaic_merge
+from pallas_kernels.mosaic import rope_append as rope_rows
 from pallas_kernels.mosaic.common import (
     check_inputs,
     check_pipeline,
@@ -197,27 +202,134 @@ def paged_decode_attention(
       and -inf. Invalid metadata inside `jit` may give wrong numbers but no out-of-bounds
       access (it is clamped as by `pallas_kernels.common.sanitize_metadata`).
     """
-    num_seq_slots, num_q_heads, head_dim = q.shape
+    if interpret:
+        check_inputs("decode", q.dtype, q.shape[-1], k_pages.shape[1], MosaicDecodeConfig(), True)
+    q_shape = q.shape
+    q_rows = decode_body.q_copy_rows(q.shape[1] // k_pages.shape[2])
+    if q.shape[1] < q_rows:
+        # The Q copy is a box of q_rows heads; smaller q gets padded so the box fits. Larger q
+        # needs no copy: TMA reads rows past the end as zeros.
+        q = jnp.pad(q, ((0, 0), (0, q_rows - q.shape[1]), (0, 0)))
+    return _decode(
+        (q,),
+        q_shape,
+        k_pages,
+        v_pages,
+        kv_lens,
+        page_indices,
+        num_splits=num_splits,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        config=config,
+        profile_dir=profile_dir,
+        merge=merge,
+    )
+
+
+def folds_rope(num_seq_slots: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `rope_append_decode_attention` takes a batch of this shape with its default
+    config and split rule: D of 64, 128 or 256 (`rope_append.supported`) and at most one
+    (sequence, KV head) pair per SM, so that the call runs a grid of items in one compute
+    warpgroup (not persistent programs)."""
+    return rope_rows.supported(head_dim) and num_seq_slots * num_kv_heads <= device_num_sms()
+
+
+def rope_append_decode_attention(
+    qkv: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    q_scale: jax.Array | None,
+    k_scale: jax.Array | None,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    slots: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    *,
+    eps: float,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A decode step's `rope_append` and `paged_decode_attention` in one kernel, one kernel
+    launch fewer a layer: each program builds its Q tile from the projection, and the split
+    that holds the new key writes it into the pages and into its last K and V stages.
+
+    Args:
+      qkv, cos, sin, q_scale, k_scale, slots, eps: as `pallas_kernels.mosaic.rope_append.
+        rope_append`, one token per sequence slot (T = S): qkv [S, Hkv, G + 2, D] in the pages'
+        dtype or float32 partial sums [parts, S, Hkv, G + 2, D].
+      k_pages, v_pages, kv_lens, page_indices, sm_scale, sliding_window, logits_soft_cap: as
+        `paged_decode_attention`; `kv_lens` counts the new token, written at slot `slots[s]`
+        (`page_indices` must name it at position `kv_len - 1`, as `jaxpaged.kv_slots` does).
+        Shapes where `folds_rope` is True only.
+
+    Returns:
+      `(out [S, Hq, D], lse f32[S, Hq], k_pages, v_pages)`, out in the pages' dtype.
+    """
+    partial = qkv.ndim == 5
+    num_seq_slots, num_kv_heads, group2, head_dim = qkv.shape[-4:]
+    if not folds_rope(num_seq_slots, num_kv_heads, head_dim):
+        raise ValueError(
+            f"rope_append_decode_attention takes D of 64, 128 or 256 and at most one (sequence, "
+            f"KV head) pair per SM; got D={head_dim}, {num_seq_slots} x {num_kv_heads} pairs"
+        )
+    rope = decode_body.RopeFold(eps=eps, qk_norm=q_scale is not None)
+    scales = () if q_scale is None else (q_scale, k_scale)
+    k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)
+    out, lse = _decode(
+        (qkv if partial else qkv[None], cos, sin, *scales, slots),
+        (num_seq_slots, num_kv_heads * (group2 - 2), head_dim),
+        k_ref,
+        v_ref,
+        kv_lens,
+        page_indices,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        dtype=k_pages.dtype,
+        rope=rope,
+    )
+    return out, lse, k_ref[...], v_ref[...]
+
+
+def _decode(
+    front,
+    q_shape,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    *,
+    num_splits=None,
+    sm_scale,
+    sliding_window,
+    logits_soft_cap,
+    config=None,
+    profile_dir=None,
+    merge=True,
+    dtype=None,
+    rope=None,
+):
+    """The launch of either entry point: `front` the inputs before the pages (q, or with
+    `rope` the inputs of `decode_body.RopeFold`), `q_shape` (S, Hq, D) of the queries."""
+    num_seq_slots, num_q_heads, head_dim = q_shape
+    dtype = front[0].dtype if dtype is None else dtype
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
     group = num_q_heads // num_kv_heads
     default_config = config is None
     config = MosaicDecodeConfig.default(head_dim) if config is None else config
-    _check(q, page_size, head_dim, group, config, interpret)
+    _check(dtype, page_size, head_dim, group, config)
     max_steps = _max_steps(pages_per_seq * page_size, sliding_window, config.block_kv)
     if num_splits is None:
         num_splits = choose_num_splits(
             num_seq_slots, num_kv_heads, max_steps, num_sms=device_num_sms()
         )
-    q_rows = decode_body.q_copy_rows(group)
-    if num_q_heads < q_rows:
-        # The Q copy is a box of q_rows heads; smaller q gets padded so the box fits. Larger q
-        # needs no copy: TMA reads rows past the end as zeros.
-        q = jnp.pad(q, ((0, 0), (0, q_rows - num_q_heads), (0, 0)))
-
     if num_splits == 1:
         partials = ()
-        partial_dtype = q.dtype
+        partial_dtype = dtype
     else:
         partials = (num_splits,)
         partial_dtype = jnp.float32
@@ -226,6 +338,8 @@ def paged_decode_attention(
         jax.ShapeDtypeStruct((num_seq_slots, *partials, num_q_heads), jnp.float32),
     )
     num_items = num_kv_heads * num_splits * num_seq_slots
+    if rope is not None and num_items > device_num_sms():
+        raise ValueError(f"a RopeFold call runs a grid of items; got {num_items} for the SMs")
     if config.persistent and num_items <= device_num_sms():
         # One item a program either way; the grid of items skips the persistent loop's output
         # staging and waits (the `1b` shape at B=16: 23.9 against 25.0 us a call, run 88).
@@ -250,9 +364,17 @@ def paged_decode_attention(
         num_programs=num_programs,
         items_per_program=pl.cdiv(num_items, num_programs),
         ordering=ordering,
+        rope=rope,
     )
     scratch = decode_body.scratch(
-        config, q.dtype, partial_dtype, head_dim, page_size, ordering, num_seq_slots
+        config,
+        dtype,
+        partial_dtype,
+        head_dim,
+        page_size,
+        ordering,
+        num_seq_slots,
+        rope=rope is not None,
     )
     kernel_kwargs = dict(
         scratch_types=(scratch,),
@@ -271,7 +393,7 @@ def paged_decode_attention(
             approx_math=logits_soft_cap is None, **_profile_params(profile_dir)
         ),
     )
-    inputs = (q, k_pages, v_pages, kv_lens, page_indices)
+    inputs = (*front, k_pages, v_pages, kv_lens, page_indices)
     if ordering == "xla":
         inputs += (slot_order.slots_by_length(kv_lens),)
     out, lse = launch(body, out_types, inputs, **kernel_kwargs)
@@ -280,8 +402,8 @@ def paged_decode_attention(
     if not merge:
         return out, lse
     if mosaic_merge.takes(num_splits, num_q_heads, head_dim):
-        return mosaic_merge.merge_splits(out, lse, out_dtype=q.dtype)
-    return merge_splits(out, lse, out_dtype=q.dtype)
+        return mosaic_merge.merge_splits(out, lse, out_dtype=dtype)
+    return merge_splits(out, lse, out_dtype=dtype)
 
 
 def _max_steps(max_kv_len: int, sliding_window: int | None, block_kv: int) -> int:
@@ -300,13 +422,13 @@ def _profile_params(profile_dir: str | None) -> dict:
     return dict(profile_space=256, profile_dir=profile_dir, profile_bounds_check=True)
 
 
-def _check(q, page_size, head_dim, group, config, interpret) -> None:
-    check_inputs("decode", q.dtype, head_dim, page_size, config, interpret)
+def _check(dtype, page_size, head_dim, group, config) -> None:
+    check_inputs("decode", dtype, head_dim, page_size, config, False)
     if decode_body.q_copy_rows(group) > decode_body.TILE_M:
         raise ValueError(
             f"implementation='mosaic' needs the query heads of one KV head to fit one 64-row "
             f"wgmma tile (Hq // Hkv <= 64 for multiples of 8, <= 56 otherwise); got "
             f"Hq // Hkv = {group}"
         )
-    smem = decode_body.smem_bytes(config, head_dim, jnp.dtype(q.dtype).itemsize)
+    smem = decode_body.smem_bytes(config, head_dim, jnp.dtype(dtype).itemsize)
     check_smem(config, smem, head_dim)

@@ -11,7 +11,9 @@ the P V product, because P is exactly 0 there but 0 * NaN is NaN.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax._src.lib.mlir.dialects import arith
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import visible
@@ -19,6 +21,28 @@ from pallas_kernels.common import visible
 SWIZZLE = 128  # bytes; every supported D is a multiple of the 64 16-bit elements this spans.
 # The layout of the Q tiles and K/V stages that `wgmma` reads: 8-row tiles, 128-byte swizzle.
 TILED = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def tiled_indices(row, col) -> list:
+    """Per-thread code's indices (MLIR index values) of element (`row`, `col`) of a 16-bit
+    `TILED` shared-memory ref, which `plgpu.inline_mgpu` hands over as `[rows / 8, D / 64, 8,
+    64]` with the swizzle left to the code: the 16-byte chunk of each 128-byte row is XORed
+    with the row's place in its 8-row tile. A run of up to 8 elements that starts at a
+    multiple of its length stays inside one chunk."""
+
+    def c(x):
+        return mgpu_utils.c(x, row.type)
+
+    tile_cols = SWIZZLE // 2
+    in_tile = arith.remui(row, c(8))
+    col_in_tile = arith.remui(col, c(tile_cols))
+    chunk = arith.xori(arith.divui(col_in_tile, c(8)), in_tile)
+    return [
+        arith.divui(row, c(8)),
+        arith.divui(col, c(tile_cols)),
+        in_tile,
+        arith.addi(arith.muli(chunk, c(8)), arith.remui(col_in_tile, c(8))),
+    ]
 
 
 def last_page_of(kv_len, page_size: int):
