@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxpaged import dispatch
 from jaxpaged.attention import (
     paged_decode_attention,
     quiet_triton_deprecation,
@@ -233,8 +234,10 @@ def add_rms_norm(
         step leaves the o and down projections' split-K sums to this op instead of kernels
         of their own).
       scale: [hidden] the norm's scale.
-      implementation: as `rope_append`'s: "xla" the reference, "triton" one Pallas kernel
-        (interpret mode off-GPU), None or "mosaic" the kernel on a GPU.
+      implementation: "xla" the reference, "triton" one Pallas kernel (Triton lowering;
+        interpret mode off-GPU), None that kernel on a GPU, "mosaic" one Mosaic GPU kernel
+        on Hopper (`pallas_kernels.mosaic.add_rms_norm`, hidden a multiple of 4; the Triton
+        kernel's rules otherwise, the reference off-GPU).
     """
     partial = h.ndim == 3
     if x.ndim != 2 or h.shape[partial:] != x.shape or (h.dtype != x.dtype and not partial):
@@ -246,13 +249,10 @@ def add_rms_norm(
         raise ValueError(f"partial sums h [S, T, hidden] must be float32; got {h.dtype}")
     if scale.shape != x.shape[1:]:
         raise ValueError(f"scale must be [hidden={x.shape[1]}]; got {scale.shape}")
-    if _use_kernel(implementation):
-        from pallas_kernels.triton import add_rms_norm as fused  # noqa: PLC0415
-
+    kernel = _add_rms_norm_kernel(implementation, x.shape[1])
+    if kernel is not None:
         with quiet_triton_deprecation():
-            return fused.add_rms_norm(
-                x, h, scale, eps=eps, interpret=jax.default_backend() != "gpu"
-            )
+            return kernel(x, h, scale, eps=eps)
     if partial:
         h = h.sum(0).astype(x.dtype)
     total = x + h
@@ -338,6 +338,29 @@ def _rope_append_kernel(implementation: str | None, head_dim: int):
         if fused.supported(head_dim):
             return functools.partial(fused.rope_append, interpret=not on_gpu)
     return None
+
+
+def _add_rms_norm_kernel(implementation: str | None, hidden: int):
+    """The kernel `add_rms_norm` runs, or None for the reference: the Mosaic GPU one for
+    "mosaic" on Hopper where it takes `hidden`, else the Triton one where `_use_kernel` says
+    (interpret mode off-GPU). None keeps the Triton kernel: the Mosaic one took 2.19 / 2.28 us
+    a call in the `1b` decode step at B=1 / 16 against its 2.11 (benchmarks/NOTES.md, run
+    189)."""
+    if implementation == "mosaic" and _on_hopper():
+        from pallas_kernels.mosaic import add_rms_norm as mosaic  # noqa: PLC0415
+
+        if mosaic.supported(hidden):
+            return mosaic.add_rms_norm
+    if _use_kernel(implementation):
+        from pallas_kernels.triton import add_rms_norm as fused  # noqa: PLC0415
+
+        return functools.partial(fused.add_rms_norm, interpret=jax.default_backend() != "gpu")
+    return None
+
+
+def _on_hopper() -> bool:
+    """Whether the default device is an sm90 GPU, where the Mosaic GPU kernels run."""
+    return dispatch.default_device().compute_capability == "9.0"
 
 
 def rope_append(

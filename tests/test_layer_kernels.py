@@ -1,9 +1,9 @@
 """The layer ops with Pallas kernels of their own, against float64 numpy oracles: the
 reference ("xla") and the kernel (Triton lowering) in interpret mode on CPU and compiled on a
 GPU (`-m gpu`). `jaxpaged.rope_append` (qk-norm, RoPE and the K/V append of an attention
-layer: pallas_kernels/triton/rope_append.py, and on the GPU the Mosaic GPU kernel of
-pallas_kernels/mosaic/rope_append.py, cross-lowered here) and `jaxpaged.add_rms_norm` (a
-residual add and the RMSNorm after it: pallas_kernels/triton/add_rms_norm.py)."""
+layer: pallas_kernels/triton/rope_append.py) and `jaxpaged.add_rms_norm` (a residual add and
+the RMSNorm after it: pallas_kernels/triton/add_rms_norm.py); on the GPU also their Mosaic
+GPU kernels (pallas_kernels/mosaic/rope_append.py and add_rms_norm.py, cross-lowered here)."""
 
 import re
 
@@ -26,8 +26,8 @@ IMPLEMENTATIONS = [
     pytest.param("triton", id="triton"),
     pytest.param(None, id="auto-gpu", marks=pytest.mark.gpu),
 ]
-# rope_append also has a Mosaic GPU kernel (`implementation="mosaic"`; the reference off-GPU).
-ROPE_IMPLEMENTATIONS = [
+# Both ops also have a Mosaic GPU kernel (`implementation="mosaic"`; the reference off-GPU).
+LAYER_IMPLEMENTATIONS = [
     *IMPLEMENTATIONS,
     pytest.param("mosaic", id="mosaic-gpu", marks=pytest.mark.gpu),
 ]
@@ -71,7 +71,7 @@ def _inputs(num_tokens, num_kv_heads, group, head_dim, dtype, seed):
     return cast[0], positions, cast[1], cast[2], jnp.asarray(slots, jnp.int32), cast[3:]
 
 
-@pytest.mark.parametrize("implementation", ROPE_IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", LAYER_IMPLEMENTATIONS)
 @pytest.mark.parametrize(
     "dtype,group,head_dim,qk_norm,scaling",
     [
@@ -125,7 +125,7 @@ def test_rope_append_matches_the_oracle(implementation, dtype, group, head_dim, 
     np.testing.assert_array_equal(v_rows[rest], old_v.reshape(flat)[rest])
 
 
-@pytest.mark.parametrize("implementation", ROPE_IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", LAYER_IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype,splits", [(jnp.bfloat16, 4), (jnp.float16, 2), (jnp.float32, 3)])
 def test_rope_append_sums_partial_products(implementation, dtype, splits):
     """qkv as float32 partial sums [S, T, Hkv, G + 2, D] (a split-K projection's): summed,
@@ -237,12 +237,13 @@ def test_rope_append_rejects_bad_arguments():
         rope_append(qkv, positions, k_pages, v_pages, slots, theta=1e4, implementation="cuda")
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", LAYER_IMPLEMENTATIONS)
 @pytest.mark.parametrize(
     "dtype,hidden", [(jnp.float32, 256), (jnp.bfloat16, 2048), (jnp.float16, 896)]
 )
 def test_add_rms_norm_matches_the_oracle(implementation, dtype, hidden):
-    """hidden 896 (Qwen2-0.5B's) is no power of two: the kernel's padded columns."""
+    """hidden 896 (Qwen2-0.5B's) is no power of two: the Triton kernel's padded columns, and
+    threads of the Mosaic GPU kernel past the row's end."""
     if implementation == "triton" and ON_GPU:
         pytest.skip("compiled here: runs as auto-gpu")
     keys = jax.random.split(jax.random.key(hidden), 3)
@@ -264,7 +265,7 @@ def test_add_rms_norm_matches_the_oracle(implementation, dtype, hidden):
     np.testing.assert_allclose(got, want, atol=ATOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", LAYER_IMPLEMENTATIONS)
 @pytest.mark.parametrize(
     "dtype,hidden,splits", [(jnp.bfloat16, 2048, 4), (jnp.float16, 896, 2), (jnp.float32, 256, 8)]
 )
@@ -296,6 +297,41 @@ def test_add_rms_norm_sums_partial_products(implementation, dtype, hidden, split
     got = np.asarray(normed, np.float64)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, want, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize(
+    "partial,dtype,hidden", [(True, jnp.bfloat16, 2048), (False, jnp.float16, 896)]
+)
+def test_mosaic_add_rms_norm_lowers_to_one_kernel(partial, dtype, hidden):
+    """The Mosaic GPU kernel, cross-lowered for sm_90 here (its arithmetic runs on the GPU
+    only: `mosaic-gpu` above): one Mosaic GPU custom call, no Triton one."""
+    from pallas_kernels.mosaic import add_rms_norm as mosaic  # noqa: PLC0415
+
+    x = jax.ShapeDtypeStruct((5, hidden), dtype)
+    h = jax.ShapeDtypeStruct((8, 5, hidden), jnp.float32) if partial else x
+    scale = jax.ShapeDtypeStruct((hidden,), dtype)
+    text = lower_for_hopper(lambda *a: mosaic.add_rms_norm(*a, eps=1e-6), x, h, scale)
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "@mosaic_gpu" in calls[0], calls
+
+
+def test_add_rms_norm_picks_its_mosaic_kernel_on_hopper(monkeypatch):
+    """ "mosaic" runs the Mosaic GPU kernel on sm90 for hidden sizes of whole 4s; "triton"
+    always the Triton one, and None the Triton one on a GPU."""
+    from jaxpaged import layers  # noqa: PLC0415
+    from pallas_kernels.mosaic import add_rms_norm as mosaic  # noqa: PLC0415
+
+    def kernel(implementation, hidden, hopper):
+        monkeypatch.setattr(layers, "_on_hopper", lambda: hopper)
+        chosen = layers._add_rms_norm_kernel(implementation, hidden)
+        return "mosaic" if chosen is mosaic.add_rms_norm else "triton" if chosen else "xla"
+
+    assert kernel("mosaic", 2048, True) == "mosaic"
+    assert kernel("triton", 2048, True) == kernel("triton", 2048, False) == "triton"
+    assert kernel("xla", 2048, True) == "xla"
+    gpu_kernel = "triton" if ON_GPU else "xla"  # the reference off-GPU
+    assert kernel("mosaic", 2050, True) == kernel("mosaic", 2048, False) == gpu_kernel
+    assert kernel(None, 2048, True) == kernel(None, 2048, False) == gpu_kernel
 
 
 def test_add_rms_norm_rejects_bad_arguments():
