@@ -19,6 +19,10 @@ program, summed over its steps), which run 165 left open (benchmarks/NOTES.md, s
 `--page-size` keeps the table's 1,216 tokens and the pool's 8,192 in pages of another size
 (run 179: pages of 64 issue a quarter of the copies, and the call is no faster).
 
+`--fold` times and traces `rope_append_decode_attention` instead (the layer's `rope_append`
+inside the kernel: regions `rope` and `new_row` besides), from float32 partial sums of the
+projection in 4 parts, the new token at `kv_len - 1` of each slot.
+
     python -m probes.decode_b1 --out results.json
 """
 
@@ -37,7 +41,10 @@ from jax.experimental.mosaic.gpu import profiler
 
 from benchmarks.common import environment, error_text
 from pallas_kernels.mosaic import slot_order
-from pallas_kernels.mosaic.paged_decode import paged_decode_attention
+from pallas_kernels.mosaic.paged_decode import (
+    paged_decode_attention,
+    rope_append_decode_attention,
+)
 
 HQ, HKV, D, PAGE = 16, 8, 128, 16
 TABLE_PAGES = 76  # e2e's B=1 table: 1,216 tokens
@@ -57,6 +64,18 @@ def inputs(kv_len: int, seed: int = 0, batch: int = 1, page: int = PAGE):
     pages = rng.permutation(num_pages)[: batch * table_pages].reshape(batch, table_pages)
     lens = jnp.full((batch,), kv_len, jnp.int32)
     return q, k, v, lens, jnp.asarray(pages, jnp.int32)
+
+
+def fold_inputs(kv_len: int, seed: int = 0, batch: int = 1, page: int = PAGE):
+    """`rope_append_decode_attention`'s arguments for `inputs`' pages: qkv as float32 partial
+    sums [4, batch, Hkv, G + 2, D], its angles and the new tokens' slots."""
+    _, k, v, lens, table = inputs(kv_len, seed, batch, page)
+    rng = np.random.default_rng(seed + 1)
+    qkv = jnp.asarray(rng.standard_normal((4, batch, HKV, HQ // HKV + 2, D)), jnp.float32)
+    angles = jnp.asarray(rng.uniform(0, 6, (batch, D // 2)), jnp.float32)
+    last = kv_len - 1
+    slots = table[:, last // page] * page + last % page
+    return qkv, jnp.cos(angles), jnp.sin(angles), None, None, k, v, slots, lens, table
 
 
 def per_kernel_us(fn, *args, iterations=50):
@@ -108,6 +127,11 @@ def timeline(path, sm_ghz=1.98):
     return report
 
 
+def fold(*args, **options):
+    """`rope_append_decode_attention`'s attention output (the pages are updated in place)."""
+    return rope_append_decode_attention(*args, **options)[:2]
+
+
 def cold(fn):
     """`fn` after a kernel that rewrites a 256 MB buffer: the L2 (60 MB) holds none of fn's
     inputs."""
@@ -126,6 +150,7 @@ def main():
         "--batch", type=int, default=1, help="slots of the traced call (B=16: a grid of 128 items)"
     )
     parser.add_argument("--page-size", type=int, default=PAGE, help="tokens a page")
+    parser.add_argument("--fold", action="store_true", help="rope_append inside the kernel")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.ranked:  # the rule before session 28: a grid of items always ranked its slots
@@ -141,14 +166,19 @@ def main():
             case = dict(case="cupti", kv_len=kv_len, splits=splits or "default", cold=args.cold)
             case["page_size"] = args.page_size
             case["ranked"] = args.ranked
-            fn = wrap(
-                functools.partial(
-                    paged_decode_attention, num_splits=splits or None, sm_scale=D**-0.5
+            case["fold"] = args.fold
+            if args.fold:  # the split rule's own count only
+                fn = wrap(functools.partial(fold, eps=1e-6, sm_scale=D**-0.5))
+            else:
+                fn = wrap(
+                    functools.partial(
+                        paged_decode_attention, num_splits=splits or None, sm_scale=D**-0.5
+                    )
                 )
-            )
+            make = fold_inputs if args.fold else inputs
             try:
                 kernels = per_kernel_us(
-                    fn, *prefix, *inputs(kv_len, batch=args.batch, page=args.page_size)
+                    fn, *prefix, *make(kv_len, batch=args.batch, page=args.page_size)
                 )
                 case["kernels"] = kernels
                 # --cold's buffer rewrite (~120 us) is not the call's.
@@ -159,14 +189,19 @@ def main():
             print(json.dumps(case), flush=True)
             cases.append(case)
     with tempfile.TemporaryDirectory() as directory:
-        fn = wrap(
-            functools.partial(paged_decode_attention, sm_scale=D**-0.5, profile_dir=directory)
-        )
+        call = functools.partial(fold, eps=1e-6) if args.fold else paged_decode_attention
+        fn = wrap(functools.partial(call, sm_scale=D**-0.5, profile_dir=directory))
+        make = fold_inputs if args.fold else inputs
         for _ in range(3):  # the last of three calls: compiled, and the L2 as --cold asks
-            jax.block_until_ready(fn(*prefix, *inputs(1097, batch=args.batch, page=args.page_size)))
+            jax.block_until_ready(fn(*prefix, *make(1097, batch=args.batch, page=args.page_size)))
         path = sorted(glob.glob(os.path.join(directory, "*.json")), key=os.path.getmtime)[-1]
         trace = dict(
-            case="trace", kv_len=1097, batch=args.batch, cold=args.cold, page_size=args.page_size
+            case="trace",
+            kv_len=1097,
+            batch=args.batch,
+            cold=args.cold,
+            page_size=args.page_size,
+            fold=args.fold,
         )
         trace.update(timeline(path))
         print(json.dumps(trace), flush=True)

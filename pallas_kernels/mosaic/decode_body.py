@@ -282,6 +282,7 @@ def make_body(
             if not config.persistent:
                 plgpu.wait_smem_to_gmem(0)
 
+        @jax.named_scope("rope")
         def rope_q(kv_head, split, seq, kv_len):
             """With `rope`: the group's Q tile rows [0, group) and the new k and v rows
             (`scratch.new_kv`) from the projection; the pages get k and v from the split that
@@ -339,6 +340,7 @@ def make_body(
             )
             plgpu.commit_smem()  # the Q tile, for `wgmma`; the new rows, for `put_new_row`
 
+        @jax.named_scope("new_row")
         def put_new_row(which, stage, row):
             """With `rope`: the new k (`which` 0) or v (1) row into row `row` of a K or V stage
             [block_kv, D] that its page copy has filled, then made visible to `wgmma`."""

@@ -251,6 +251,7 @@ def rope_append_decode_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    profile_dir: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """A decode step's `rope_append` and `paged_decode_attention` in one kernel, one kernel
     launch fewer a layer: each program builds its Q tile from the projection, and the split
@@ -264,6 +265,7 @@ def rope_append_decode_attention(
         `paged_decode_attention`; `kv_lens` counts the new token, written at slot `slots[s]`
         (`page_indices` must name it at position `kv_len - 1`, as `jaxpaged.kv_slots` does).
         Shapes where `folds_rope` is True only.
+      profile_dir: as `paged_decode_attention`'s (diagnostics).
 
     Returns:
       `(out [S, Hq, D], lse f32[S, Hq], k_pages, v_pages)`, out in the pages' dtype.
@@ -288,6 +290,7 @@ def rope_append_decode_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
+        profile_dir=profile_dir,
         dtype=k_pages.dtype,
         rope=rope,
     )
