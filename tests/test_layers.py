@@ -332,3 +332,37 @@ def test_layer_runs_under_jit_with_donated_pages():
     )
     assert out.shape == (3, HIDDEN) and np.isfinite(np.asarray(out)).all()
     assert np.abs(np.asarray(k_pages[2, :3])).sum() > 0 and not np.asarray(k_pages[0]).any()
+
+
+def test_decode_steps_fold_rope_append_into_the_mosaic_decode_kernel(monkeypatch):
+    """Which steps run `rope_append` inside the Mosaic GPU decode kernel
+    (`rope_append_decode_attention`), on a pretended H200: a decode step without shared
+    prefixes whose attention runs the Mosaic decode kernel in a grid of items (at most one
+    (sequence, KV head) pair per SM), D of 64, 128 or 256, qkv as float32 partial sums or
+    in the pages' dtype. The fold's arithmetic is checked on the GPU
+    (tests/test_mosaic_decode.py)."""
+    from jaxpaged import dispatch, layers  # noqa: PLC0415
+
+    hopper = dispatch.Device("gpu", "9.0", 132)
+    monkeypatch.setattr(dispatch, "default_device", lambda: hopper)
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr("pallas_kernels.mosaic.paged_decode.device_num_sms", lambda: 132)
+
+    def folds(
+        seqs=16, kv_heads=8, head_dim=128, qkv_dtype=jnp.float32, implementation=None, **meta
+    ):
+        pages = jax.ShapeDtypeStruct((64, PAGE, kv_heads, head_dim), jnp.bfloat16)
+        parts = (4,) if qkv_dtype == jnp.float32 else ()
+        qkv = jax.ShapeDtypeStruct((*parts, seqs, kv_heads, 4, head_dim), qkv_dtype)
+        step = dict(decode=True, prefix_groups=None, page_indices=np.zeros((seqs, 80)))
+        step = type("Meta", (), {**step, **meta})
+        return layers._folds_rope(qkv, pages, pages, step, implementation)
+
+    assert folds() and folds(implementation="mosaic") and folds(seqs=1, head_dim=64)
+    assert folds(qkv_dtype=jnp.bfloat16)  # an unsplit projection in the pages' dtype
+    assert not folds(implementation="triton") and not folds(implementation="xla")
+    assert not folds(decode=False) and not folds(prefix_groups=object())
+    assert not folds(seqs=17)  # 136 pairs: persistent programs
+    assert not folds(head_dim=192) and not folds(qkv_dtype=jnp.float16)
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
+    assert not folds()
