@@ -470,6 +470,8 @@ def _folds_rope(qkv, k_pages, v_pages, meta, implementation) -> bool:
     if jax.default_backend() != "gpu" or not (qkv.ndim == 5 or qkv.dtype == k_pages.dtype):
         return False
     num_seqs, num_kv_heads, _, head_dim = qkv.shape[-4:]
+    if num_seqs != meta.kv_lens.shape[0]:  # not one token a sequence: attention raises
+        return False
     name = resolve_implementation(
         "decode",
         implementation,

@@ -354,7 +354,12 @@ def test_decode_steps_fold_rope_append_into_the_mosaic_decode_kernel(monkeypatch
         pages = jax.ShapeDtypeStruct((64, PAGE, kv_heads, head_dim), jnp.bfloat16)
         parts = (4,) if qkv_dtype == jnp.float32 else ()
         qkv = jax.ShapeDtypeStruct((*parts, seqs, kv_heads, 4, head_dim), qkv_dtype)
-        step = dict(decode=True, prefix_groups=None, page_indices=np.zeros((seqs, 80)))
+        step = dict(
+            decode=True,
+            prefix_groups=None,
+            kv_lens=np.zeros(seqs),
+            page_indices=np.zeros((seqs, 80)),
+        )
         step = type("Meta", (), {**step, **meta})
         return layers._folds_rope(qkv, pages, pages, step, implementation)
 
@@ -364,5 +369,6 @@ def test_decode_steps_fold_rope_append_into_the_mosaic_decode_kernel(monkeypatch
     assert not folds(decode=False) and not folds(prefix_groups=object())
     assert not folds(seqs=17)  # 136 pairs: persistent programs
     assert not folds(head_dim=192) and not folds(qkv_dtype=jnp.float16)
+    assert not folds(kv_lens=np.zeros(12))  # 16 tokens for 12 sequences
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
     assert not folds()

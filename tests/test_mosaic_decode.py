@@ -587,6 +587,36 @@ def test_rope_fold_takes_a_grid_of_items_and_head_dims_of_64_128_256():
         _fold_fn()(qkv, angles, angles, None, None, pages, pages, lens, lens, lens[:, None])
 
 
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(kv_lens=np.ones(4, np.int32)), "kv_lens must have one row per sequence slot"),
+        (dict(slots=np.ones(2, np.int32)), "slots must have one row"),
+        (dict(qkv=np.ones((3, 2, 4, 128), np.float16)), "float32 partial sums or in the pages"),
+        (dict(qkv=jnp.ones((3, 4, 4, 128), jnp.bfloat16)), "the pages' \\(Hkv, D\\)"),
+        (dict(cos=np.ones((3, 32), np.float32)), "cos and sin must be"),
+        (dict(q_scale=np.ones(128, np.float32)), "q_scale and k_scale go together"),
+    ],
+)
+def test_rope_fold_rejects_bad_arguments(change, match):
+    """Shapes checked before tracing: a kv_lens, slot or page-table row per qkv token."""
+    args = dict(
+        qkv=jnp.ones((3, 2, 4, 128), jnp.bfloat16),
+        cos=np.ones((3, 64), np.float32),
+        sin=np.ones((3, 64), np.float32),
+        q_scale=None,
+        k_scale=None,
+        k_pages=jnp.zeros((8, 16, 2, 128), jnp.bfloat16),
+        v_pages=jnp.zeros((8, 16, 2, 128), jnp.bfloat16),
+        slots=np.ones(3, np.int32),
+        kv_lens=np.ones(3, np.int32),
+        page_indices=np.zeros((3, 2), np.int32),
+    )
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        _fold_fn()(*(jnp.asarray(a) if a is not None else None for a in args.values()))
+
+
 FOLD_CASES = [
     # partial, dtype, group, head_dim, page_size, qk_norm, options
     (True, jnp.bfloat16, 2, 128, 16, True, {}),

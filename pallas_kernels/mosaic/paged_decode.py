@@ -272,6 +272,7 @@ def rope_append_decode_attention(
     """
     partial = qkv.ndim == 5
     num_seq_slots, num_kv_heads, group2, head_dim = qkv.shape[-4:]
+    _check_rope(qkv, cos, sin, q_scale, k_scale, k_pages, v_pages, slots, kv_lens, page_indices)
     if not folds_rope(num_seq_slots, num_kv_heads, head_dim):
         raise ValueError(
             f"rope_append_decode_attention takes D of 64, 128 or 256 and at most one (sequence, "
@@ -423,6 +424,48 @@ def _profile_params(profile_dir: str | None) -> dict:
     if profile_dir is None:
         return {}
     return dict(profile_space=256, profile_dir=profile_dir, profile_bounds_check=True)
+
+
+def _check_rope(qkv, cos, sin, q_scale, k_scale, k_pages, v_pages, slots, kv_lens, table):
+    """`rope_append_decode_attention`'s shapes and dtypes, before anything is traced: one
+    token per sequence slot everywhere (a slot past kv_lens would be read out of bounds)."""
+    if qkv.ndim not in (4, 5) or qkv.shape[-2] < 3:
+        raise ValueError(
+            f"qkv must be [S, Hkv, G + 2, D] (or float32 partial sums [parts, S, Hkv, G + 2, "
+            f"D]); got {qkv.shape}"
+        )
+    num_seq_slots, num_kv_heads, _, head_dim = qkv.shape[-4:]
+    if (qkv.ndim == 5 and qkv.dtype != jnp.float32) or (
+        qkv.ndim == 4 and qkv.dtype != k_pages.dtype
+    ):
+        raise ValueError(
+            f"qkv must be float32 partial sums or in the pages' dtype {k_pages.dtype}; got "
+            f"{qkv.dtype}{list(qkv.shape)}"
+        )
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(
+            f"k_pages and v_pages must match; got {k_pages.dtype}{list(k_pages.shape)} and "
+            f"{v_pages.dtype}{list(v_pages.shape)}"
+        )
+    if k_pages.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"the pages' (Hkv, D) {k_pages.shape[2:]} must be qkv's {(num_kv_heads, head_dim)}"
+        )
+    per_slot = dict(slots=slots, kv_lens=kv_lens, page_indices=table, cos=cos, sin=sin)
+    for name, array in per_slot.items():
+        if array.shape[:1] != (num_seq_slots,):
+            raise ValueError(
+                f"{name} must have one row per sequence slot of qkv (S={num_seq_slots}); got "
+                f"{list(array.shape)}"
+            )
+    if cos.shape != sin.shape or cos.shape[1:] != (head_dim // 2,):
+        raise ValueError(f"cos and sin must be f32[S, D / 2]; got {cos.shape}, {sin.shape}")
+    if (q_scale is None) != (k_scale is None):
+        raise ValueError("q_scale and k_scale go together: pass both or neither")
+    if q_scale is not None and (q_scale.shape, k_scale.shape) != ((head_dim,),) * 2:
+        raise ValueError(
+            f"q_scale and k_scale must be [D={head_dim}]; got {q_scale.shape}, {k_scale.shape}"
+        )
 
 
 def _check(dtype, page_size, head_dim, group, config) -> None:
