@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, vector
+from jax._src.lib.mlir.dialects import arith, memref, vector
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -283,27 +283,54 @@ def make_body(
                 plgpu.wait_smem_to_gmem(0)
 
         @jax.named_scope("rope")
-        def rope_q(kv_head, split, seq, kv_len):
+        def rope_q(kv_head, split, seq):
             """With `rope`: the group's Q tile rows [0, group) and the new k and v rows
             (`scratch.new_kv`) from the projection; the pages get k and v from the split that
             holds the new key (split 0 of an empty slot: as `rope_append`, a slot outside the
             pool writes nothing). Tile rows past the group are never written: their scores
-            are garbage that no output row reads (rows do not mix)."""
+            are garbage that no output row reads (rows do not mix).
+
+            kv_len and the slot are read after the projection's loads are issued (`slot_of`),
+            so that their round trip to memory overlaps those loads instead of preceding
+            them."""
             parts, cos, sin, *scales, slots = rope_refs
-            first = 0 if sliding_window is None else jnp.maximum(kv_len - sliding_window, 0)
-            new_step = (jnp.maximum(kv_len, 1) - 1) // block_kv
-            writer = (new_step - first // block_kv) // chunk == split
-            slot = jnp.where(writer, slots[seq], -1)
             arg_types = (plgpu.RefType(),) * (5 + len(scales)) + (
                 plgpu.RefType(pipeline.TILED),
                 plgpu.RefType(),
+                plgpu.RefType(),
+                plgpu.RefType(),
+                plgpu.Layout.WG_SPLAT(shape=()),
                 plgpu.Layout.WG_SPLAT(shape=()),
             )
 
             @plgpu.inline_mgpu(arg_types=arg_types)
             def rows(ctx, parts, cos, sin, *refs):
                 del ctx
-                *scales, k_pages, v_pages, q_tile, new_kv, slot = refs
+                *scales, k_pages, v_pages, q_tile, new_kv, lens, slots, seq, split = refs
+                i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+                seq = seq.registers.item()
+
+                def c32(x):
+                    return mgpu_utils.c(x, i32)
+
+                def slot_of():
+                    """The new key's slot for the split that holds it (as `steps_of` splits
+                    the clamped kv_len), else -1."""
+                    at = [arith.index_cast(index, seq)]
+                    kv_len = memref.load(lens, at)
+                    kv_len = arith.maxsi(
+                        arith.minsi(kv_len, c32(pages_per_seq * page_size)), c32(0)
+                    )
+                    new_step = arith.divsi(
+                        arith.subi(arith.maxsi(kv_len, c32(1)), c32(1)), c32(block_kv)
+                    )
+                    first_step = c32(0)
+                    if sliding_window is not None:
+                        first = arith.maxsi(arith.subi(kv_len, c32(sliding_window)), c32(0))
+                        first_step = arith.divsi(first, c32(block_kv))
+                    holder = arith.divsi(arith.subi(new_step, first_step), c32(chunk))
+                    writer = arith.cmpi(arith.CmpIPredicate.eq, holder, split.registers.item())
+                    return arith.select(writer, memref.load(slots, at), c32(-1))
 
                 def store_q(row, lo, hi, rot_lo, rot_hi):
                     vector.store(rot_lo, q_tile, pipeline.tiled_indices(row, lo))
@@ -319,7 +346,7 @@ def make_body(
                     cos,
                     sin,
                     scales or None,
-                    slot.registers.item(),
+                    slot_of,
                     k_pages,
                     v_pages,
                     eps=rope.eps,
@@ -336,7 +363,10 @@ def make_body(
                 v_ref.at[:, :, kv_head],
                 q_smem,
                 scratch.new_kv,
-                slot,
+                lens_ref,
+                slots,
+                seq,
+                split,
             )
             plgpu.commit_smem()  # the Q tile, for `wgmma`; the new rows, for `put_new_row`
 
@@ -399,9 +429,10 @@ def make_body(
             online-softmax state to the first through shared memory at the item's end; the
             first merges the two, copies the next item's Q tile (both are done with this
             one's) and writes the output."""
+            if rope is not None:  # first: the prologue's loads wait on nothing
+                rope_q(kv_head, split, seq)
             kv_len, step0, num_steps = steps_of(split, seq, valid)
             if rope is not None:
-                rope_q(kv_head, split, seq, kv_len)
                 # The step and row of the new key, in the split whose steps hold it.
                 new_i = jnp.where(kv_len > 0, (kv_len - 1) // block_kv - step0, -1)
                 new_row = lax.rem(jnp.maximum(kv_len, 1) - 1, block_kv)

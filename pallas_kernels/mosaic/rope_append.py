@@ -102,21 +102,28 @@ def _rope_rows(parts, cos, sin, *refs, eps: float) -> None:
     def rows(ctx, parts, cos, sin, *refs):
         del ctx
         *scales, slot_ref, k_pages, v_pages, q_out = refs
-        slot = memref.load(slot_ref, [mgpu_utils.c(0, ir.IndexType.get())])
 
         def store_q(row, lo, hi, rot_lo, rot_hi):
             vector.store(rot_lo, q_out, [row, lo])
             vector.store(rot_hi, q_out, [row, hi])
 
         emit_rope_rows(
-            parts, cos, sin, scales or None, slot, k_pages, v_pages, eps=eps, store_q=store_q
+            parts,
+            cos,
+            sin,
+            scales or None,
+            lambda: memref.load(slot_ref, [mgpu_utils.c(0, ir.IndexType.get())]),
+            k_pages,
+            v_pages,
+            eps=eps,
+            store_q=store_q,
         )
 
     rows(parts, cos, sin, *refs)
 
 
 def emit_rope_rows(
-    parts, cos, sin, scales, slot, k_pages, v_pages, *, eps: float, store_q, store_new=None
+    parts, cos, sin, scales, slot_of, k_pages, v_pages, *, eps: float, store_q, store_new=None
 ) -> None:
     """Per-thread Mosaic GPU code (inside `plgpu.inline_mgpu`, one warpgroup) for the G + 2
     rows of one (token, KV head): sum and round the projection's parts, qk-norm, rotate, store
@@ -124,7 +131,8 @@ def emit_rope_rows(
 
     Args (MLIR memrefs): `parts` [S, G + 2, D] float32 or the pages' dtype; `cos`, `sin`
       f32[D / 2]; `scales` None or the (q, k) RMSNorm scales [D]; `k_pages`, `v_pages` [P,
-      page_size, D]; and `slot`, an i32 value (a slot outside the pool writes nothing).
+      page_size, D]; and `slot_of()`, which emits the slot's i32 value after the loads (a slot
+      outside the pool writes nothing).
       `store_q(row, lo, hi, rot_lo, rot_hi)` stores query row `row` (an index), whose lane
       holds the D / 64 elements at columns `lo` and `hi` (indices, `hi = lo + D / 2`) as
       vectors in the pages' dtype; `store_new(which, lo, hi, x_lo, x_hi)`, if given, gets the
@@ -185,6 +193,7 @@ def emit_rope_rows(
     if scales is not None:
         scale_type = ir.MemRefType(scales[0].type).element_type
         scales = [[load(s, [col], scale_type) for col in (lo, hi)] for s in scales]
+    slot = slot_of()
     num_slots = num_pages * page_size
     ok = arith.andi(
         arith.cmpi(arith.CmpIPredicate.sge, slot, c32(0)),
