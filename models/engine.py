@@ -461,6 +461,17 @@ SMALL_STEP_XLA_OPTIONS = (
     ("xla_gpu_enable_cub_radix_sort", False),
 )
 LARGE_STEP_XLA_OPTIONS = (("xla_gpu_enable_command_buffer", ""),)
+# Decode steps and blocks of at least this many rows also take XLA's exhaustive GEMM tiling
+# search. In the `1b` decode block on the H200 it made the projections' GEMMs 0.5-1.3 us a call
+# faster at 16 and 64 rows: B=16 14,193 -> 14,512-14,571 tokens/s (GPU 1.108 -> 1.078 ms a
+# step), B=64 30,095 -> 30,646-30,843 (2.140 -> 2.103-2.112), two processes each (runs
+# 192-193; run 170 likewise). At B=1 the gain is within the spread between processes (+0.9% in
+# run 193, -1.5% in run 170), so one-row blocks skip the search and its compile time. The
+# search costs ~40 s of compile per decode executable: `EngineConfig`'s max_seqs fixes its rows,
+# so an engine compiles one or two of them (greedy and sampling blocks), and XLA's
+# `--xla_gpu_per_fusion_autotune_cache_dir` keeps the results between processes.
+EXHAUSTIVE_TILING_MIN_ROWS = 16
+EXHAUSTIVE_TILING = (("xla_gpu_exhaustive_tiling_search", True),)
 
 
 def uses_command_buffers(xla_options: tuple[tuple[str, object], ...]) -> bool:
@@ -473,11 +484,14 @@ def step_xla_options(num_tokens: int, *, decode: bool = False) -> tuple[tuple[st
     """The XLA options of a step or block of `num_tokens` tokens (its T); `decode`: one token
     per row (decode projections keep XLA's Triton GEMMs at every batch: with the whole block
     in one command buffer they beat cuBLAS at 16 and 64 rows, benchmarks/NOTES.md "Session
-    10")."""
-    del decode
+    10"; from `EXHAUSTIVE_TILING_MIN_ROWS` rows they take the exhaustive tiling search)."""
     if num_tokens > COMMAND_BUFFER_MAX_TOKENS:
-        return LARGE_STEP_XLA_OPTIONS
-    return SMALL_STEP_XLA_OPTIONS
+        options = LARGE_STEP_XLA_OPTIONS
+    else:
+        options = SMALL_STEP_XLA_OPTIONS
+    if decode and num_tokens >= EXHAUSTIVE_TILING_MIN_ROWS:
+        options += EXHAUSTIVE_TILING
+    return options
 
 
 @functools.cache

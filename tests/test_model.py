@@ -28,6 +28,7 @@ from models import generate
 from models.config import CONFIGS, EngineConfig
 from models.decoder import MLP, SWIGLU_F32_MAX_TOKENS, Decoder, split_gate_up
 from models.engine import (
+    EXHAUSTIVE_TILING,
     LARGE_STEP_XLA_OPTIONS,
     SMALL_STEP_XLA_OPTIONS,
     Engine,
@@ -514,8 +515,14 @@ def test_small_steps_get_command_buffers_and_large_ones_do_not():
     (max_tokens_per_step) each by their own token count."""
     assert step_xla_options(1) == step_xla_options(512) == SMALL_STEP_XLA_OPTIONS
     assert step_xla_options(513) == step_xla_options(4096) == LARGE_STEP_XLA_OPTIONS
-    assert step_xla_options(8, decode=True) == step_xla_options(64, decode=True)
+    assert step_xla_options(8, decode=True) == step_xla_options(8) == SMALL_STEP_XLA_OPTIONS
+    # Decode from 16 rows adds the exhaustive GEMM tiling search (runs 192-193), nothing else.
+    assert step_xla_options(15, decode=True) == SMALL_STEP_XLA_OPTIONS
+    assert step_xla_options(16, decode=True) == SMALL_STEP_XLA_OPTIONS + EXHAUSTIVE_TILING
+    assert step_xla_options(16) == SMALL_STEP_XLA_OPTIONS
+    assert step_xla_options(600, decode=True) == LARGE_STEP_XLA_OPTIONS + EXHAUSTIVE_TILING
     decode = dict(step_xla_options(64, decode=True))
+    assert decode["xla_gpu_exhaustive_tiling_search"] is True
     assert "WHILE" in decode["xla_gpu_enable_command_buffer"]
     # CUB's sort is a custom call no command buffer takes: it would leave the loop to the host.
     assert decode["xla_gpu_enable_cub_radix_sort"] is False
