@@ -408,8 +408,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="an XLA option added for decode steps and blocks only (repeatable), as the "
-        "README's opt-in to exhaustive GEMM tiling does",
+        help="an XLA option added for decode steps and blocks only (repeatable)",
     )
     parser.add_argument(
         "--split-k-max-tokens",
