@@ -467,9 +467,9 @@ LARGE_STEP_XLA_OPTIONS = (("xla_gpu_enable_command_buffer", ""),)
 # step), B=64 30,095 -> 30,646-30,843 (2.140 -> 2.103-2.112), two processes each (runs
 # 192-193; run 170 likewise). At B=1 the gain is within the spread between processes (+0.9% in
 # run 193, -1.5% in run 170), so one-row blocks skip the search and its compile time. The
-# search costs ~40 s of compile per decode executable: `EngineConfig`'s max_seqs fixes its rows,
-# so an engine compiles one or two of them (greedy and sampling blocks), and XLA's
-# `--xla_gpu_per_fusion_autotune_cache_dir` keeps the results between processes.
+# search costs ~40 s of compile per decode executable, paid once per engine (their rows are
+# `EngineConfig.max_seqs`); XLA's `--xla_gpu_per_fusion_autotune_cache_dir` keeps the results
+# between processes.
 EXHAUSTIVE_TILING_MIN_ROWS = 16
 EXHAUSTIVE_TILING = (("xla_gpu_exhaustive_tiling_search", True),)
 
