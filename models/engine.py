@@ -95,8 +95,7 @@ class StepOutputs(NamedTuple):
     # f32[T, vocab] with all_logits, else f32[S, vocab] (rows' last tokens)
     logits: jax.Array | None
     shared_prefix: jax.Array  # bool[], the step read shared prefixes once per group
-    # i32[max_seqs, pages_per_seq], the pool's after the step (steps that may stay in flight)
-    page_table: jax.Array | None
+    page_table: jax.Array  # i32[max_seqs, pages_per_seq], the pool's after the step
 
 
 class BlockInputs(NamedTuple):
@@ -266,16 +265,16 @@ def model_step(
     implementation: str | None,
     shared_prefix: PrefixSharing | None = None,
     conditionals_in_graph: bool = True,
-    ahead: bool = False,
     prompt_only: bool = False,
 ) -> tuple[KVPages, jaxpaged.PagePool, StepOutputs]:
     """One step of the decoder, traced by `step_function`, which jits it with `kv_pages` and
     `pool` donated: they come back updated in place. A decode step with `shared_prefix` reads
     the first pages that sequences share once per group. `conditionals_in_graph`: the step's
     XLA options put conditionals in command buffers; without, sampling takes no `lax.cond`
-    (`sample`'s `conditionals`), which the host would wait at. `ahead`: the step may be enqueued
-    before the one before it is read: it checks `inputs.num_cached` against the pool and
-    returns its page table (else `page_table` is None). `prompt_only`: the step's chunks are
+    (`sample`'s `conditionals`), which the host would wait at. The step may be enqueued before
+    the one before it is read: it checks `inputs.num_cached` against the pool (a row whose
+    count is not the host's makes it run nothing) and returns the pool's page table after it.
+    `prompt_only`: the step's chunks are
     prompt chunks short of their prompts' ends, so it samples nothing: no vocabulary
     projection, no sampling (their outputs None), and ragged attention without its launch for
     decode tokens. A chunked prompt's steps then take fewer kernels (run without command
@@ -289,13 +288,13 @@ def model_step(
         inputs.seq_ids,
         inputs.cu_q_lens,
         inputs.num_seqs,
-        inputs.num_cached if ahead else None,
+        inputs.num_cached,
         decode=decode,
         implementation=implementation,
         shared_prefix=shared_prefix,
         prompt_only=prompt_only,
     )
-    page_table = pool.page_indices if ahead else None
+    page_table = pool.page_indices
     if prompt_only:
         return kv_pages, pool, StepOutputs(None, None, ok, None, jnp.bool_(False), page_table)
     num_tokens = inputs.tokens.shape[0]
@@ -500,13 +499,12 @@ def step_function(
     params_treedef: jax.tree_util.PyTreeDef,
     xla_options: tuple[tuple[str, object], ...] = (),
     shared_prefix: PrefixSharing | None = None,
-    ahead: bool = False,
     prompt_only: bool = False,
     copy: int = 0,
 ):
     """`model_step` jitted once per model structure, taking the parameters as the flat list of
     their leaves (the engine's step; `decode`, `all_logits` and `implementation` are static,
-    `shared_prefix`, `ahead` and `prompt_only` are bound here). Another `copy` is another
+    `shared_prefix` and `prompt_only` are bound here). Another `copy` is another
     jitted function of the same step: an executable, and command buffers, of its own.
 
     Dispatch hashes a jitted function's static arguments and flattens its pytree arguments on
@@ -528,7 +526,6 @@ def step_function(
             inputs,
             shared_prefix=shared_prefix,
             conditionals_in_graph=conditionals_in_graph or jax.default_backend() != "gpu",
-            ahead=ahead,
             prompt_only=prompt_only,
             **static,
         )
@@ -709,11 +706,13 @@ class Engine:
 
         decode_options = options(self.decode_rows, True)
         mixed_options = options(config.max_tokens_per_step, False)
-        # Whether a step may stay in flight while the next is enqueued: not where it runs in a
-        # command buffer, whose next launch waited for it on the H200 and took longer than
-        # the read it saved (benchmarks/NOTES.md, "Session 11").
+        # Whether a step of a kind may stay in flight while the next is enqueued: not where it
+        # runs in a command buffer, whose next launch waited for it on the H200 and took
+        # longer than the read it saved (benchmarks/NOTES.md, "Session 11"). Every step kind
+        # checks the host's counts (`model_step`), so any step may be enqueued behind one in
+        # flight.
         on_gpu = jax.default_backend() == "gpu" and not foreign
-        self._ahead = {
+        self._may_stay = {
             kind: not (on_gpu and uses_command_buffers(opts))
             for kind, opts in ((True, decode_options), (False, mixed_options))
         }
@@ -723,16 +722,13 @@ class Engine:
         # says that running sequences share pages, so a batch without sharing pays nothing for
         # the path (its lax.cond per layer and the group search per step). Without sharing, no
         # argument: the cached function of a call that does not name it.
-        ahead = self._ahead[True]
-        plain_decode = step_function(self.graphdef, treedef, decode_options, ahead=ahead)
+        plain_decode = step_function(self.graphdef, treedef, decode_options)
         plain_block = block_function(self.graphdef, treedef, decode_options)
         self._decode_fns = {False: plain_decode, True: plain_decode}
         self._block_fns = {False: plain_block, True: plain_block}
         if self.prefix_sharing is not None:
             sharing = self.prefix_sharing
-            self._decode_fns[True] = step_function(
-                self.graphdef, treedef, decode_options, sharing, ahead=ahead
-            )
+            self._decode_fns[True] = step_function(self.graphdef, treedef, decode_options, sharing)
             self._block_fns[True] = block_function(self.graphdef, treedef, decode_options, sharing)
         # Mixed steps of prompt chunks that sample nothing may stay in flight (below), in a
         # kind of their own: prompt-only (no vocabulary projection, sampling or decode-token
@@ -741,14 +737,10 @@ class Engine:
         # buffer in flight: a prompt in chunks of 512 then keeps the GPU busy while the host
         # plans and launches the next chunk, one graph launch instead of ~200 kernels
         # (benchmarks/NOTES.md, "Session 22").
-        self._mixed_fn = step_function(
-            self.graphdef, treedef, mixed_options, ahead=self._ahead[False]
-        )
+        self._mixed_fn = step_function(self.graphdef, treedef, mixed_options)
         self._prompt_fns = tuple(
-            step_function(
-                self.graphdef, treedef, mixed_options, ahead=True, prompt_only=True, copy=i
-            )
-            for i in range(1 if self._ahead[False] else 2)
+            step_function(self.graphdef, treedef, mixed_options, prompt_only=True, copy=i)
+            for i in range(1 if self._may_stay[False] else 2)
         )
         self._prompt_steps = 0  # prompt-only steps launched, for their turns
         self.vocab_size = model.config.vocab_size
@@ -901,19 +893,19 @@ class Engine:
         blocks = self.config.decode_steps is not None and not record_prompt_logits
         as_block = blocks and all(c.is_decode for c in plan.chunks)
         # A step that samples nothing (prompt chunks short of their prompts' ends) may stay in
-        # flight: no read before the next is planned. It runs in a kind that checks the
-        # host's counts (`ahead`; for mixed steps there is always one). Only a step of such a
-        # kind is enqueued behind a step in flight; a block or another step reads it first.
-        # After a failed one the plan is dropped: it changed nothing the next plan does not
-        # redo (its admissions are running sequences at their start, their pages attached).
+        # flight: no read before the next is planned. Every step kind checks the host's
+        # counts (`model_step`), so the next step, the one that samples too, is enqueued behind it
+        # and the step in flight read after; only a block reads it first. A step after a
+        # failed one runs nothing and its plan is dropped: it changed nothing the next plan
+        # does not redo (its admissions are running sequences at their start, their pages
+        # attached).
         stays = (
             self.overlap
             and not record_prompt_logits
             and not any(c.samples for c in plan.chunks)
-            and (self._ahead[plan.decode] or not plan.decode)
+            and (self._may_stay[plan.decode] or not plan.decode)
         )
-        checked = stays or self._ahead[plan.decode]
-        if (as_block or not checked) and not self._read_in_flight():
+        if as_block and not self._read_in_flight():
             return []
         if as_block:
             self._clock = time.perf_counter()
@@ -950,7 +942,8 @@ class Engine:
             self.stats.steps_in_flight += 1
             for x in (out.ok, out.page_table):
                 x.copy_to_host_async()
-        if previous is not None and not self._read_step(previous) and self._step is not None:
+        failed_before = previous is not None and not self._read_step(previous)
+        if failed_before and self._step is not None:
             # It failed, and so did the step just enqueued if it holds one of its sequences.
             self._read_in_flight(after_failure=True)
             return []
@@ -965,7 +958,8 @@ class Engine:
         self.stats.steps += 1
         if not ok:
             self.stats.failed_steps += 1
-            self.scheduler.on_failed_step()
+            if not failed_before:  # else that failure preempted already
+                self.scheduler.on_failed_step()
             return []
         if record_prompt_logits:
             self._record_logits(plan, np.asarray(out.logits))

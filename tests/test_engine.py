@@ -897,10 +897,11 @@ def test_steps_stay_in_flight_only_outside_command_buffers():
     """On a GPU a decode or mixed step that runs in a command buffer is read before the next
     is enqueued (its next launch waited for it); without command buffers, and off the GPU, it
     may stay in flight. Prompt-only steps always may: on a GPU in two copies that take
-    turns."""
+    turns. Every kind checks the host's counts (`model_step`): any step may be enqueued behind one
+    in flight."""
     engine = _engine("xla", xla_options=NO_GRAPHS)
-    assert engine._ahead == {True: True, False: True}
-    graphs = _engine("xla", xla_options=SMALL_STEP_XLA_OPTIONS)._ahead
+    assert engine._may_stay == {True: True, False: True}
+    graphs = _engine("xla", xla_options=SMALL_STEP_XLA_OPTIONS)._may_stay
     assert graphs == {k: jax.default_backend() != "gpu" for k in (True, False)}
     assert uses_command_buffers(SMALL_STEP_XLA_OPTIONS) and uses_command_buffers(())
     assert not uses_command_buffers(NO_GRAPHS)
@@ -910,46 +911,50 @@ def test_steps_stay_in_flight_only_outside_command_buffers():
     treedef = jax.tree.structure(engine.params)
     on_gpu = jax.default_backend() == "gpu"
     copies = [
-        step_function(
-            engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS, ahead=True, prompt_only=True, copy=i
-        )
+        step_function(engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS, prompt_only=True, copy=i)
         for i in range(2 if on_gpu else 1)
     ]
     assert len(set(map(id, copies))) == len(copies)
     turns = [engine.step_fn(False, in_flight=True, turn=t) for t in range(4)]
     assert turns == (copies * 4)[:4]
-    mixed = step_function(engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS, ahead=not on_gpu)
-    assert engine.step_fn(False) is mixed
+    checked = functools.partial(step_function, engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS)
+    assert engine.step_fn(False) is checked()
+    assert engine.step_fn(True) is checked()
 
 
-def test_prompt_chunks_stay_in_flight_in_copies_that_take_turns():
-    """Where mixed steps run in command buffers (on a GPU), steps of prompt chunks that sample
-    nothing stay in flight in the prompt-only kind, two copies of it in turn (a command
-    buffer's launch waits for its own launch in flight); the chunk that samples runs in the
-    mixed kind, enqueued after the step in flight is read."""
-    prompt, params = _prompt(28, 700), SamplingParams(4)
-    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8, decode_steps=None)
-    engine._ahead[False] = False  # mixed steps as if they ran in command buffers
-    treedef = jax.tree.structure(engine.params)
-    mixed_fn = step_function(engine.graphdef, treedef, (), ahead=False)
-    copies = [
-        step_function(engine.graphdef, treedef, (), ahead=True, prompt_only=True, copy=i)
-        for i in range(2)
-    ]
-    assert copies[0] is not copies[1]
-    events = []
+def _recorded(engine: Engine, events: list[str]) -> None:
+    """Make `engine` log its reads of steps in flight and its calls of the mixed kind and the
+    prompt-only copies into `events`."""
 
     def recorded(name, fn):
         return lambda *a, **kw: events.append(name) or fn(*a, **kw)
 
     read_step = engine._read_step
     engine._read_step = lambda step, **kw: events.append("read") or read_step(step, **kw)
-    engine._mixed_fn = recorded("mixed", mixed_fn)
-    engine._prompt_fns = tuple(recorded(f"copy {i}", fn) for i, fn in enumerate(copies))
+    engine._mixed_fn = recorded("mixed", engine._mixed_fn)
+    engine._prompt_fns = tuple(recorded(f"copy {i}", fn) for i, fn in enumerate(engine._prompt_fns))
+
+
+def test_prompt_chunks_stay_in_flight_in_copies_that_take_turns():
+    """Where mixed steps run in command buffers (on a GPU), steps of prompt chunks that sample
+    nothing stay in flight in the prompt-only kind, two copies of it in turn (a command
+    buffer's launch waits for its own launch in flight); the chunk that samples runs in the
+    mixed kind, enqueued before the step in flight is read, so that its launch overlaps the
+    GPU's work."""
+    prompt, params = _prompt(28, 700), SamplingParams(4)
+    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8, decode_steps=None)
+    engine._may_stay[False] = False  # mixed steps as if they ran in command buffers
+    treedef = jax.tree.structure(engine.params)
+    engine._prompt_fns = tuple(
+        step_function(engine.graphdef, treedef, (), prompt_only=True, copy=i) for i in range(2)
+    )
+    assert engine._prompt_fns[0] is not engine._prompt_fns[1]
+    events = []
+    _recorded(engine, events)
     seq = engine.add_request(prompt, params)
     for _ in range(4):  # tokens 0-8, 8-16 and 16-24 in flight in turn, then 24-28 (it samples)
         engine.step()
-    assert events == ["copy 0", "copy 1", "read", "copy 0", "read", "read", "mixed"]
+    assert events == ["copy 0", "copy 1", "read", "copy 0", "read", "mixed", "read"]
     assert engine._step is None and engine.stats.steps_in_flight == 3
     while engine.has_work():
         engine.step()
@@ -957,27 +962,30 @@ def test_prompt_chunks_stay_in_flight_in_copies_that_take_turns():
     _assert_same([seq], [ref])
 
 
-def test_a_step_without_the_check_is_enqueued_only_after_the_step_in_flight_is_read():
-    """Where one step kind checks the host's counts and the other does not (on a GPU: steps
-    with and without command buffers), the step in flight is read before an unchecked step is
-    enqueued: here the last token of a prompt, a one-token chunk, runs in the decode step."""
-    prompt, params = _prompt(17, 600), SamplingParams(4)
-    engine = _engine("xla", chunk_size=8, max_tokens_per_step=8, decode_steps=None)
-    engine._ahead[True] = False  # the decode step kind as if it ran in a command buffer
+def test_a_step_that_samples_behind_a_failed_step_in_flight_runs_nothing():
+    """The chunk that samples, enqueued behind a prompt chunk in flight whose reservation
+    fails, runs nothing (the pool's cached count is not the host's): both are taken back, the
+    request is preempted once (not once per failed step) and gives what it gives alone."""
+    prompt, params = _prompt(2 * PAGE + 4, 800), SamplingParams(3)
+    engine = _engine("xla", chunk_size=PAGE, max_tokens_per_step=PAGE, decode_steps=None)
     events = []
-    read_step, decode_fn = engine._read_step, engine._decode_fns[False]
-    engine._read_step = lambda step, **kw: events.append("read") or read_step(step, **kw)
-    engine._decode_fns = dict.fromkeys(
-        (False, True), lambda *a, **kw: events.append("decode") or decode_fn(*a, **kw)
-    )
+    _recorded(engine, events)
     seq = engine.add_request(prompt, params)
+    engine.step()  # tokens 0-PAGE in flight
+    taken = engine.pool.refcount == 0
+    engine.pool = dataclasses.replace(engine.pool, refcount=engine.pool.refcount + taken)
+    engine.step()  # PAGE-2 PAGE, which needs a page, in flight; 0-PAGE read
+    engine.pool = dataclasses.replace(engine.pool, refcount=engine.pool.refcount - taken)
+    # The last four tokens (they sample) enqueued, then PAGE-2 PAGE read: failed, and so did
+    # the step behind it.
     engine.step()
-    engine.step()  # tokens 8-16 in flight
-    assert events == ["read"] and engine._step is not None
-    engine.step()  # token 16 (it samples): tokens 8-16 read first
-    assert events[:3] == ["read", "read", "decode"] and engine._step is None
+    assert events == ["copy 0", "copy 0", "read", "mixed", "read"]
+    assert engine.stats.failed_steps == 2 and engine._step is None
+    assert engine.scheduler.num_preemptions == 1 and seq in engine.scheduler.waiting
+    assert seq.num_cached == 0 and not seq.output
     while engine.has_work():
         engine.step()
+    _check_pool(engine)
     [ref] = _generate(_engine("xla", decode_steps=None, overlap=False), [prompt], params)
     _assert_same([seq], [ref])
 

@@ -528,13 +528,9 @@ def test_small_steps_get_command_buffers_and_large_ones_do_not():
     assert decode["xla_gpu_enable_cub_radix_sort"] is False
     engine = _engine("xla")
     treedef = jax.tree.structure(engine.params)
-    # Off the GPU every step may stay in flight (`ahead`); on it, those without command buffers.
-    ahead = jax.default_backend() != "gpu"
-    small = step_function(engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS, ahead=ahead)
-    large = step_function(engine.graphdef, treedef, LARGE_STEP_XLA_OPTIONS, ahead=True)
+    small = step_function(engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS)
+    large = step_function(engine.graphdef, treedef, LARGE_STEP_XLA_OPTIONS)
     assert engine.step_fn(True) is small
     assert engine.step_fn(False) is (small if engine.config.max_tokens_per_step <= 512 else large)
     big = _engine("xla", max_tokens_per_step=600)
-    assert big.step_fn(False) is step_function(
-        big.graphdef, treedef, LARGE_STEP_XLA_OPTIONS, ahead=True
-    )
+    assert big.step_fn(False) is step_function(big.graphdef, treedef, LARGE_STEP_XLA_OPTIONS)
