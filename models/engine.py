@@ -274,11 +274,11 @@ def model_step(
     (`sample`'s `conditionals`), which the host would wait at. The step may be enqueued before
     the one before it is read: it checks `inputs.num_cached` against the pool (a row whose
     count is not the host's makes it run nothing) and returns the pool's page table after it.
-    `prompt_only`: the step's chunks are
-    prompt chunks short of their prompts' ends, so it samples nothing: no vocabulary
-    projection, no sampling (their outputs None), and ragged attention without its launch for
-    decode tokens. A chunked prompt's steps then take fewer kernels (run without command
-    buffers, each costs the host ~12 us: benchmarks/NOTES.md, "Session 12")."""
+    `prompt_only`: the step's chunks are prompt chunks short of their prompts' ends, so it
+    samples nothing: no vocabulary projection, no sampling (their outputs None), and ragged
+    attention without its launch for decode tokens. A chunked prompt's steps then take fewer
+    kernels (run without command buffers, each costs the host ~12 us: benchmarks/NOTES.md,
+    "Session 12")."""
     kv_pages, pool, ok, meta, hidden, model = _forward(
         graphdef,
         params,
@@ -894,9 +894,9 @@ class Engine:
         as_block = blocks and all(c.is_decode for c in plan.chunks)
         # A step that samples nothing (prompt chunks short of their prompts' ends) may stay in
         # flight: no read before the next is planned. Every step kind checks the host's
-        # counts (`model_step`), so the next step, the one that samples too, is enqueued behind it
-        # and the step in flight read after; only a block reads it first. A step after a
-        # failed one runs nothing and its plan is dropped: it changed nothing the next plan
+        # counts (`model_step`), so the next step, one that samples too, is enqueued behind
+        # it and the step in flight is read after; only a block reads it first. A step after
+        # a failed one runs nothing and its plan is dropped: it changed nothing the next plan
         # does not redo (its admissions are running sequences at their start, their pages
         # attached).
         stays = (

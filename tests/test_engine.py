@@ -897,8 +897,8 @@ def test_steps_stay_in_flight_only_outside_command_buffers():
     """On a GPU a decode or mixed step that runs in a command buffer is read before the next
     is enqueued (its next launch waited for it); without command buffers, and off the GPU, it
     may stay in flight. Prompt-only steps always may: on a GPU in two copies that take
-    turns. Every kind checks the host's counts (`model_step`): any step may be enqueued behind one
-    in flight."""
+    turns. Every kind checks the host's counts (`model_step`): any step may be enqueued
+    behind one in flight."""
     engine = _engine("xla", xla_options=NO_GRAPHS)
     assert engine._may_stay == {True: True, False: True}
     graphs = _engine("xla", xla_options=SMALL_STEP_XLA_OPTIONS)._may_stay
@@ -974,10 +974,10 @@ def test_a_step_that_samples_behind_a_failed_step_in_flight_runs_nothing():
     engine.step()  # tokens 0-PAGE in flight
     taken = engine.pool.refcount == 0
     engine.pool = dataclasses.replace(engine.pool, refcount=engine.pool.refcount + taken)
-    engine.step()  # PAGE-2 PAGE, which needs a page, in flight; 0-PAGE read
+    engine.step()  # tokens PAGE to 2 PAGE, which need a page, in flight; 0-PAGE read
     engine.pool = dataclasses.replace(engine.pool, refcount=engine.pool.refcount - taken)
-    # The last four tokens (they sample) enqueued, then PAGE-2 PAGE read: failed, and so did
-    # the step behind it.
+    # The last four tokens (they sample) enqueued, then PAGE to 2 PAGE read: failed, and so
+    # did the step behind it.
     engine.step()
     copies = len(engine._prompt_fns)  # two on a GPU, in turn
     assert events == ["copy 0", f"copy {1 % copies}", "read", "mixed", "read"]
