@@ -969,7 +969,7 @@ class Engine:
         if self.scheduler.cache is not None and any(
             c.start < c.seq.prompt_len for c in plan.chunks
         ):
-            page_table = np.asarray(self.pool.page_indices)  # the pages the prompts filled
+            page_table = np.asarray(out.page_table)  # the pages the prompts filled
         finished = self.scheduler.update(plan, tokens, logprobs, page_table)
         self._count_peak()
         self._retain_pending()
