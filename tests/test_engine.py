@@ -835,11 +835,12 @@ def test_prefix_cache_recovers_when_the_scheduler_overbooks_the_pool():
 def test_prefix_cache_updates_compile_once():
     engine = _cached_engine(num_pages=10)
     # Warm-up as in the eviction test (prompts cached, one that evicts, one that hits), and
-    # a fork.
+    # a fork, greedy and at temperature 0.8 (the sampling cases of the blocks below).
     cached = [_prompt(3 * PAGE + 1, 60 + i) for i in range(3)]
     for prompt in [*cached, _prompt(2 * PAGE + 1, 63), cached[0]]:
         _generate(engine, [prompt], SamplingParams(4))
-    _generate(engine, [_prompt(5, 64)], SamplingParams(3, n=2))
+    for temperature in (0.0, 0.8):
+        _generate(engine, [_prompt(5, 64)], SamplingParams(3, temperature, n=2))
     assert engine.stats.prefix_hit_pages and engine.stats.prefix_evicted_pages
     with count_compilations() as compiles:
         _generate(engine, CACHED_PROMPTS[6:12], CACHED_PARAMS[6:12])
