@@ -279,10 +279,16 @@ def _decode_part(engine: Engine, prompts, steps: int, profile: bool = False, top
 
         mosaic_gpu._mosaic_gpu_ext._cupti_init()
     start = time.perf_counter()
+    ends = []  # (time, decode steps so far) as each block is read
     while engine.stats.decode_steps - stats.decode_steps < steps:
+        blocks = engine.stats.blocks
         engine.step()
+        if engine.stats.blocks != blocks:
+            ends.append((time.perf_counter(), engine.stats.decode_steps))
     engine.sync()
     seconds = time.perf_counter() - start
+    if ends and engine.stats.decode_steps != ends[-1][1]:
+        ends.append((start + seconds, engine.stats.decode_steps))
     if profile:
         timings = mosaic_gpu._mosaic_gpu_ext._cupti_get_timings(True)
     steps = engine.stats.decode_steps - stats.decode_steps
@@ -301,6 +307,14 @@ def _decode_part(engine: Engine, prompts, steps: int, profile: bool = False, top
         wall_ms_per_step=1e3 * seconds / steps,
         dispatch_ms_per_step=1e3 * dispatch / steps,
     )
+    # Steady state: from the first block's end to the last's, the blocks after the first. Each
+    # was enqueued while the one before ran, so this leaves out only the first block's launch
+    # (~2-3 ms of host time with the GPU idle, benchmarks/NOTES.md run 181), as the HF
+    # anchor's difference of two generation lengths leaves out its fixed costs.
+    if len(ends) > 1:
+        (first, first_steps), (last, last_steps) = ends[0], ends[-1]
+        result["steady_ms_per_step"] = 1e3 * (last - first) / (last_steps - first_steps)
+        result["steady_tokens_per_s"] = len(prompts) / (result["steady_ms_per_step"] / 1e3)
     if profile:
         result.update(_kernel_summary(timings, steps, top))
     return result

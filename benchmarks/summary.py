@@ -164,10 +164,12 @@ def e2e_table(res: Results) -> list[str]:
         wall = c.get("wall_ms_per_step")
         hf = c.get("hf_tokens_per_s")
         floor = c.get("floor_tokens_per_s")
+        steady = c.get("steady_tokens_per_s")
         rows.append(
             [
                 what,
                 f"{c['tokens_per_s']:.0f}",
+                f"{steady:.0f}" if steady else "–",
                 f"{c['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if chunked else "–",
                 f"{wall:.2f} / {gpu:.2f}" if gpu and wall else "–",
                 f"{base:.0f}" if base else "–",
@@ -179,6 +181,7 @@ def e2e_table(res: Results) -> list[str]:
     header = [
         "step",
         "jaxpaged tokens/s",
+        "past the first block",
         "vs single-shot",
         "ms per step: wall / GPU",
         "dense XLA tokens/s",
