@@ -9,7 +9,9 @@ and 2048 tokens; tokens/s is the prompt length over the wall time of its steps, 
 batches of 1, 16 and 64 sequences with `--ctx` cached tokens each decode greedily, all rows
 together; tokens/s counts the tokens of `--new-tokens` - 1 decode steps of the whole batch over
 the engine wall time from the first decode launch to the sync of the last block (decode
-blocks, host syncs and scheduling included; `_decode_part`). Each
+blocks, host syncs and scheduling included; `_decode_part`), after an untimed window of
+other prompts of the same length; `steady_tokens_per_s` leaves out the first block (its
+launch, with the GPU idle), as the HF anchor's difference of two lengths does. Each
 decode row also gives the block length in ms (how long a newly arrived request waits at most),
 the HBM floor (`_step_bytes` over `_copy_bandwidth`) and, with `--hf`, Hugging Face
 transformers with a static cache and torch.compile (`benchmarks.hf_anchor`, run first in a
@@ -524,7 +526,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         steps, budget = args.new_tokens - 1, max(2048, args.ctx)  # the first token: prefill's
         max_len = args.ctx + _decode_budget(batch, args.ctx, steps, budget) + 1
         engine = make(max_seqs=batch, budget=budget, max_len=max_len)
-        _decode_part(engine, prompts[:, :16].tolist(), steps)  # compile
+        # Compile, and warm up on other prompts of the same length: after a warm-up on short
+        # prompts the timed window's first block call took 20-31 ms of host time at B=16, and
+        # 2-4 ms in the windows after it (benchmarks/NOTES.md, runs 203-204).
+        _decode_part(engine, rng.integers(0, vocab, (batch, args.ctx)).tolist(), steps)
         case = dict(
             kind="decode", batch=batch, ctx=args.ctx, decode_steps=engine.config.decode_steps
         )
