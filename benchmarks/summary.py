@@ -181,7 +181,7 @@ def e2e_table(res: Results) -> list[str]:
     header = [
         "step",
         "jaxpaged tokens/s",
-        "past the first block",
+        "tokens/s after the first block",
         "vs single-shot",
         "ms per step: wall / GPU",
         "dense XLA tokens/s",

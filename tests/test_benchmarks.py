@@ -126,3 +126,17 @@ def test_e2e_prefill_cases_report_the_median_of_their_repeats():
     for case in cases:
         slowest, fastest = case["tokens_per_s_range"]
         assert case["repeats"] == 2 and slowest <= case["tokens_per_s"] <= fastest
+
+
+def test_e2e_decode_reports_its_rate_after_the_first_block():
+    """The steady rate covers the blocks after the first, inside the timed window."""
+    from benchmarks import e2e  # noqa: PLC0415
+
+    cases = [c for c in e2e.main(["--smoke", "--skip-prefill", "--no-baseline"]) if "batch" in c]
+    assert [c["batch"] for c in cases] == [1, 4]  # --smoke's batches
+    for case in cases:
+        after_first = case["steps"] - case["decode_steps"]
+        assert after_first > 0
+        steady_ms = case["steady_ms_per_step"]
+        assert 0 < steady_ms * after_first < case["wall_ms_per_step"] * case["steps"]
+        assert case["steady_tokens_per_s"] == pytest.approx(case["batch"] * 1e3 / steady_ms)
