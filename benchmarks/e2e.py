@@ -526,9 +526,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         steps, budget = args.new_tokens - 1, max(2048, args.ctx)  # the first token: prefill's
         max_len = args.ctx + _decode_budget(batch, args.ctx, steps, budget) + 1
         engine = make(max_seqs=batch, budget=budget, max_len=max_len)
-        # Compile, and warm up on other prompts of the same length: after a warm-up on short
-        # prompts the timed window's first block call took 20-31 ms of host time at B=16, and
-        # 2-4 ms in the windows after it (benchmarks/NOTES.md, runs 203-204).
+        # Compile, and warm up on other prompts of the same length, so that the warm-up runs
+        # what the window runs. (In a probe the first window after a warm-up on short prompts
+        # lost 20-31 ms in its first block call at B=16, later windows 2-4 ms; in this script's
+        # process the first call stayed at ~5-12 ms even so: benchmarks/NOTES.md, session 39.)
         _decode_part(engine, rng.integers(0, vocab, (batch, args.ctx)).tolist(), steps)
         case = dict(
             kind="decode", batch=batch, ctx=args.ctx, decode_steps=engine.config.decode_steps
