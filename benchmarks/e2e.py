@@ -311,8 +311,8 @@ def _decode_part(engine: Engine, prompts, steps: int, profile: bool = False, top
     )
     # Steady state: from the first block's end to the last's, the blocks after the first. Each
     # was enqueued while the one before ran, so this leaves out only the first block's launch
-    # (~2-3 ms of host time with the GPU idle, benchmarks/NOTES.md run 181), as the HF
-    # anchor's difference of two generation lengths leaves out its fixed costs.
+    # (2-31 ms of host time with the GPU idle, benchmarks/NOTES.md runs 181 and 203-205), as
+    # the HF anchor's difference of two generation lengths leaves out its fixed costs.
     if len(ends) > 1:
         (first, first_steps), (last, last_steps) = ends[0], ends[-1]
         result["steady_ms_per_step"] = 1e3 * (last - first) / (last_steps - first_steps)
