@@ -764,6 +764,35 @@ class Engine:
         # Pages whose release the host enqueued after the decode block in flight: held till it
         # ends.
         self._released_after_block = 0
+        # Where steps run in command buffers, the pool updates the host schedules between
+        # steps compile now rather than mid-generation: XLA's compile of any executable
+        # evicts every other's command buffers (CUDA graphs), and an executable run after an
+        # eviction runs once op by op before it records its graph again. The first `release`,
+        # when the first sequences finished, cost the decode block after it ~20 ms of host
+        # time at 16 rows with the GPU idle (benchmarks/NOTES.md, runs 207-208).
+        if on_gpu and (uses_command_buffers(decode_options) or uses_command_buffers(mixed_options)):
+            self._compile_pool_updates()
+
+    def _compile_pool_updates(self) -> None:
+        """Compile the pool updates the host schedules between steps, by running each once on
+        padding ids only, which changes nothing: `release`, `fork_samples`, and with the
+        prefix cache `retain`, `drop` and `attach`, at the shapes the engine calls them with.
+        The constructor calls this where steps run in command buffers."""
+        config = self.config
+        no_seqs = np.full(config.max_seqs, -1, np.int32)
+        no_pages = np.full(config.num_pages, -1, np.int32)
+        with self._calling():
+            self.pool = jaxpaged.release(self.pool, no_seqs)
+            # An inactive source: `ok` is False and nothing is forked or copied.
+            self.kv_pages, self.pool, _ = fork_samples(
+                self.kv_pages, self.pool, np.int32(-1), no_seqs
+            )
+        if self.scheduler.cache is not None:
+            no_rows = np.full((config.max_seqs, config.pages_per_seq), -1, np.int32)
+            self._pool_update(jaxpaged.retain, no_pages)
+            self._pool_update(jaxpaged.drop, no_pages)
+            self._pool_update(jaxpaged.attach, no_seqs, no_rows, np.zeros_like(no_seqs))
+            self._check_pool_updates()
 
     def _prefix_sharing(self, model: Decoder) -> PrefixSharing | None:
         """The decode steps' `PrefixSharing`. None (plain decode, and no shared-prefix path

@@ -847,6 +847,28 @@ def test_prefix_cache_updates_compile_once():
     assert not compiles, f"{len(compiles)} compilations after warm-up"
 
 
+def test_pool_updates_compile_with_the_engine_and_change_nothing():
+    """The pool updates the host schedules between steps compile before the first generation
+    (the constructor runs `_compile_pool_updates` where steps run in command buffers, a GPU:
+    a compile mid-generation evicts every executable's CUDA graphs, and the decode block after
+    it ran op by op, ~20 ms at 16 rows, benchmarks/NOTES.md run 208). On padding ids they
+    change no page and no slot; a generation that releases, forks, caches, hits and evicts
+    then compiles none of them."""
+    engine = _cached_engine(num_pages=11, decode_steps=8, chunk_size=32)  # no other test's
+    before = jax.device_get((engine.kv_pages, engine.pool))
+    engine._compile_pool_updates()
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.device_get((engine.kv_pages, engine.pool)), before
+    )
+    with count_compilations() as compiles:
+        _generate(engine, CACHED_PROMPTS[:12], CACHED_PARAMS[:12])
+    updates = {f"jit({name})" for name in ("release", "fork_samples", "retain", "drop", "attach")}
+    assert not updates & set(compiles), compiles
+    assert {"jit(block)", "jit(step)"} <= set(compiles)  # names as JAX gives them
+    stats = engine.stats
+    assert stats.forked_samples and stats.prefix_hit_pages and stats.prefix_evicted_pages
+
+
 def test_prompt_chunks_run_ahead_of_their_reads():
     """Steps of prompt chunks that sample nothing (here the first prompt's, alone in their
     steps) are enqueued before the step before them is read (one in flight at a time); the
