@@ -311,7 +311,7 @@ def _decode_part(engine: Engine, prompts, steps: int, profile: bool = False, top
     )
     # Steady state: from the first block's end to the last's, the blocks after the first. Each
     # was enqueued while the one before ran, so this leaves out only the first block's launch
-    # (2-31 ms of host time with the GPU idle, benchmarks/NOTES.md runs 181 and 203-205), as
+    # (~2.5-3.5 ms of host time with the GPU idle, benchmarks/NOTES.md runs 207-209), as
     # the HF anchor's difference of two generation lengths leaves out its fixed costs.
     if len(ends) > 1:
         (first, first_steps), (last, last_steps) = ends[0], ends[-1]
@@ -527,9 +527,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         max_len = args.ctx + _decode_budget(batch, args.ctx, steps, budget) + 1
         engine = make(max_seqs=batch, budget=budget, max_len=max_len)
         # Compile, and warm up on other prompts of the same length, so that the warm-up runs
-        # what the window runs. (In a probe the first window after a warm-up on short prompts
-        # lost 20-31 ms in its first block call at B=16, later windows 2-4 ms; in this script's
-        # process the first call stayed at ~5-12 ms even so: benchmarks/NOTES.md, session 39.)
+        # what the window runs. (Until the engine compiled its pool updates when built, the
+        # warm-up's first `release` evicted the block's CUDA graph, and the window's first
+        # block call ran op by op, ~20 ms at B=16: benchmarks/NOTES.md, runs 207-208.)
         _decode_part(engine, rng.integers(0, vocab, (batch, args.ctx)).tolist(), steps)
         case = dict(
             kind="decode", batch=batch, ctx=args.ctx, decode_steps=engine.config.decode_steps
