@@ -2,12 +2,19 @@
 README's summary table."""
 
 import json
+import types
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 import pytest
+from flax import nnx
 
-from benchmarks import attention, inputs, results, sharing, summary
+from benchmarks import attention, inputs, results, serving, sharing, summary
+from models.config import CONFIGS
+from models.decoder import Decoder
+from models.engine import Engine
+from models.scheduler import SamplingParams
 
 matplotlib.use("Agg")
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +76,25 @@ def test_sharing_smoke_shares_pages_and_prompts_and_changes_no_token(tmp_path):
     assert prefix[False, "cold"]["prefix_hit_pages"] == 0 < prefix[True, "cold"]["prefix_hit_pages"]
 
 
+def test_serving_smoke_times_every_request(tmp_path):
+    """The tiny stream (8 requests of 40 tokens, 12 new tokens each, one every 5 ms at 4
+    slots): every request's first token after its arrival, and its tokens those of the same
+    prompts run at once (the serving loop changes no token)."""
+    cases = serving.main(["--smoke", "--out", str(tmp_path / "h200_serving.json")])
+    assert json.loads((tmp_path / "h200_serving.json").read_text())["cases"] == cases
+    [case] = cases
+    assert 0 < case["ttft_p50_ms"] <= case["ttft_p90_ms"] <= case["ttft_max_ms"]
+    assert case["ttft_mean_ms"] <= case["ttft_max_ms"] and case["tpot_ms"] > 0
+    assert 1 <= case["mean_decode_rows"] <= 4 and case["steps"] >= 12
+    assert case["output_tokens_per_s"] == pytest.approx(8 * 12 / (case["wall_ms"] / 1e3))
+    sizes = types.SimpleNamespace(page_size=16, budget=64, max_seqs=4, prompt_len=40, new_tokens=12)
+    engine = Engine(Decoder(CONFIGS["tiny"], rngs=nnx.Rngs(0)), serving._config(sizes))
+    prompts = np.random.default_rng(1).integers(0, 97, (6, 40)).tolist()
+    params = SamplingParams(12)
+    served = serving.serve(engine, prompts, params, 0.002)["outputs"]
+    assert served == [s.output for s in engine.generate(prompts, params)]
+
+
 def test_loader_reads_the_recorded_results():
     found = results.load_all()
     assert {"decode", "prefill"} <= found.keys()
@@ -84,7 +110,7 @@ def test_every_recorded_ratio_is_named_after_an_implementation_of_its_file():
     `impl` an implementation timed in the same file."""
     for path in results.RESULTS_DIR.glob("*.json"):
         data = json.loads(path.read_text())
-        if data["suite"] in ("e2e", "sharing"):  # engine figures: vs_hf, vs_private, ...
+        if data["suite"] in ("e2e", "sharing", "serving"):  # engine figures: vs_hf, vs_private, ...
             continue
         cases = data["cases"]
         ratios = {k for c in cases for k in c if k.startswith(("vs_", "x_"))}
