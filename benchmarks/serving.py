@@ -1,13 +1,14 @@
 """Serving on the H200 (issue 20, item 3): requests that arrive while others decode.
 
-    python -m benchmarks.serving --profile --out benchmarks/results/h200_serving.json [--smoke]
+    python -m benchmarks.serving --out benchmarks/results/h200_serving.json [--smoke]
 
 A steady stream: `--requests` requests of `--prompt-len` random tokens, each asking for
 `--new-tokens` greedy tokens, arrive one every `--interval-ms` (the first at 0) at an engine of
 `--max-seqs` slots whose pool holds every slot at its longest (nothing waits for pages). The
 host loop admits each request once its arrival time has passed and steps the engine while it
 has work, as a server's loop would; it sleeps only when the engine is idle. One case per
-interval:
+interval; an interval of 0 is a burst, every request at once (the engine's most tokens/s on
+this workload, its slots always full while requests wait):
 
 - `ttft_*_ms`: a request's time to first token, from its arrival to the host holding its first
   token (mean, median, 90th percentile, most). A request that arrives while a decode block
@@ -17,12 +18,10 @@ interval:
   first token) / (tokens - 1).
 - `output_tokens_per_s`: every generated token over the wall time from the first arrival to
   the last token.
-- `mean_decode_rows`: decode tokens per decode step (the rows that shared a step);
-  `block_ms`: the mean time from one block's launch to its read.
-- With `--profile`, the run again under CUPTI: `gpu_ms`, the kernel time of the whole run, and
-  `gpu_busy`, its share of the first run's wall time. What is left idle is the host's: reads
-  that wait for the GPU, then plans and launches with the GPU idle. `idle_ms_per_request`:
-  the wall time minus the kernel time, per request.
+- `mean_decode_rows`: the rows of a block's decode steps, on average; `block_ms`: the mean
+  time from a block's launch to its read; `mixed_step_ms`: the same for the mixed steps (the
+  prompts' chunks with the running rows' decode tokens), from the later of its launch and the
+  read before it.
 
 The same engine serves an untimed stream of the same kind twice first: every call kind
 compiles, and a compile evicts every other executable's CUDA graphs (benchmarks/NOTES.md runs
@@ -35,7 +34,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -98,23 +96,10 @@ def serve(engine: Engine, prompts, params: SamplingParams, interval_s: float) ->
         mean_decode_rows=stats.decode_tokens / max(stats.decode_steps, 1),
         block_ms=1e3 * stats.decode_time / max(stats.blocks, 1),
         blocks=stats.blocks,
-        steps=stats.steps,
+        mixed_steps=stats.prefill_steps,
+        mixed_step_ms=1e3 * stats.prefill_time / max(stats.prefill_steps, 1),
         outputs=[s.output for s in seqs],
     )
-
-
-def _gpu_ms(engine: Engine, prompts, params: SamplingParams, interval_s: float) -> float:
-    """The kernel time (CUPTI) of serving the same stream again; the hooks behind
-    `jax.experimental.mosaic.gpu.profiler.measure` (private)."""
-    from jax._src.lib import mosaic_gpu  # noqa: PLC0415 - private, GPU only
-
-    ext = mosaic_gpu._mosaic_gpu_ext
-    ext._cupti_init()
-    try:
-        serve(engine, prompts, params, interval_s)
-    finally:
-        timings = ext._cupti_get_timings(True)
-    return sum(ms for _, ms in timings)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -124,8 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sizes = dict(page_size=16, budget=2048, max_seqs=16, prompt_len=1024, new_tokens=128)
     for name, default in (sizes | dict(requests=64)).items():  # budget: a step's tokens
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
-    parser.add_argument("--interval-ms", type=float, nargs="*", default=[20.0, 10.0])
-    parser.add_argument("--profile", action="store_true", help="CUPTI kernel time of each case")
+    parser.add_argument("--interval-ms", type=float, nargs="*", default=[40.0, 20.0, 12.5, 0.0])
     parser.add_argument("--smoke", action="store_true", help="tiny config, small sizes")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -145,10 +129,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     warm = rng.integers(0, vocab, (min(args.requests, 2 * args.max_seqs), args.prompt_len))
     for _ in range(2):
         serve(engine, warm.tolist(), params, min(args.interval_ms) / 1e3)
-    if args.profile and jax.default_backend() == "gpu":
-        from benchmarks.e2e import _discard_first_capture  # noqa: PLC0415
-
-        _discard_first_capture()
     cases = []
     for interval_ms in args.interval_ms:
         prompts = rng.integers(0, vocab, (args.requests, args.prompt_len)).tolist()
@@ -161,10 +141,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         case |= timed
         if any(len(out) != args.new_tokens for out in outputs):
             raise RuntimeError("a request stopped short of --new-tokens")
-        if args.profile and jax.default_backend() == "gpu":
-            case["gpu_ms"] = _gpu_ms(engine, prompts, params, interval_ms / 1e3)
-            case["gpu_busy"] = case["gpu_ms"] / case["wall_ms"]
-            case["idle_ms_per_request"] = (case["wall_ms"] - case["gpu_ms"]) / args.requests
         cases.append(case | dict(config=args.config, implementation=implementation))
         print_table([case], [k for k in case if k not in ("kind", "requests")])
         if args.out:
