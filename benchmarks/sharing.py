@@ -67,9 +67,10 @@ def _config(args, max_seqs: int, max_len: int) -> EngineConfig:
 
 def _engine(model, config: EngineConfig, implementation: str | None) -> Engine:
     """A fresh engine with its calls compiled: a mixed step, a fork, a decode block, a step on
-    cached pages (with the cache), a decode step (one token) and a step of a prompt chunk that
-    samples nothing first run on a throwaway engine of the same config, which shares their
-    compilations and goes with its pages and cache. (Before session 14 the last was missing:
+    cached pages (with the cache), a one-token prompt (a decode step until session 40; now the
+    mixed kind's) and a step of a prompt chunk that samples nothing first run on a throwaway
+    engine of the same config, which shares their compilations and goes with its pages and
+    cache. (Before session 14 the last was missing:
     a cold burst's 2112-token prompts then compiled it in the timed run.)"""
     warm = Engine(model, config, implementation=implementation)
     prompt = list(range(2 * config.page_size + 1))

@@ -921,6 +921,11 @@ class Engine:
             return []
         blocks = self.config.decode_steps is not None and not record_prompt_logits
         as_block = blocks and all(c.is_decode for c in plan.chunks)
+        # Where decode-only plans run as blocks, a plan of one-token chunks that is not a
+        # block (a one-token prompt, or a prompt's last token, beside decode rows) runs in the
+        # mixed kind: the decode step kind would compile for that plan alone, mid-generation
+        # (26 s at 16 rows on the H200, benchmarks/NOTES.md run 212).
+        decode = plan.decode and not blocks
         # A step that samples nothing (prompt chunks short of their prompts' ends) may stay in
         # flight: no read before the next is planned. Every step kind checks the host's
         # counts (`model_step`), so the next step, one that samples too, is enqueued behind
@@ -932,7 +937,7 @@ class Engine:
             self.overlap
             and not record_prompt_logits
             and not any(c.samples for c in plan.chunks)
-            and (self._may_stay[plan.decode] or not plan.decode)
+            and (self._may_stay[decode] or not decode)
         )
         if as_block and not self._read_in_flight():
             return []
@@ -941,11 +946,11 @@ class Engine:
             rows = [c.seq for c in plan.chunks]
             self._block = _Block(rows, self._launch_block(self._block_inputs(rows), rows))
             return [] if self.overlap else self._next_block()
-        inputs = self._inputs(plan)
+        inputs = self._inputs(plan, decode)
         start = time.perf_counter()
         with self._calling():
             fn = self.step_fn(
-                plan.decode,
+                decode,
                 shared_prefix=self._shares_pages(),
                 in_flight=stays,
                 turn=self._prompt_steps,
@@ -956,8 +961,8 @@ class Engine:
                 self.kv_pages,
                 self.pool,
                 inputs,
-                decode=plan.decode,
-                all_logits=record_prompt_logits and not plan.decode,
+                decode=decode,
+                all_logits=record_prompt_logits and not decode,
                 implementation=self.implementation,
             )
         self.stats.dispatch_time += time.perf_counter() - start
@@ -1157,9 +1162,10 @@ class Engine:
             budgets[i] = seq.params.max_new_tokens - len(seq.output)
         return BlockInputs(tokens, seq_ids, budgets, self._sampling(rows, num_rows))
 
-    def _inputs(self, plan: Plan) -> StepInputs:
-        num_seq_slots = self.decode_rows if plan.decode else self.config.max_seqs
-        num_tokens = num_seq_slots if plan.decode else self.config.max_tokens_per_step
+    def _inputs(self, plan: Plan, decode: bool) -> StepInputs:
+        """The inputs of a step of `plan` in the decode kind (`decode`) or the mixed one."""
+        num_seq_slots = self.decode_rows if decode else self.config.max_seqs
+        num_tokens = num_seq_slots if decode else self.config.max_tokens_per_step
         tokens = np.zeros(num_tokens, np.int32)
         seq_ids = np.full(num_seq_slots, -1, np.int32)
         cu_q_lens = np.zeros(num_seq_slots + 1, np.int32)

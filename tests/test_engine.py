@@ -869,6 +869,33 @@ def test_pool_updates_compile_with_the_engine_and_change_nothing():
     assert stats.forked_samples and stats.prefix_hit_pages and stats.prefix_evicted_pages
 
 
+def _one_token_prompt_beside_a_running_row(engine: Engine) -> list:
+    """A 9-token prompt runs till it decodes; then a one-token prompt arrives: their next step
+    is a plan of one-token chunks, one of them a prompt's."""
+    seqs = [engine.add_request(_prompt(9, 1), SamplingParams(12))]
+    while not seqs[0].output:
+        engine.step()
+    seqs.append(engine.add_request([7], SamplingParams(6)))
+    while engine.has_work():
+        engine.step()
+    return seqs
+
+
+def test_one_token_chunks_beside_blocks_run_in_the_mixed_kind():
+    """With blocks on, a plan of one-token chunks that are not all decode tokens (a one-token
+    prompt, or a prompt's last token, beside decode rows) runs in the mixed kind: the decode
+    step kind would compile for that plan alone, mid-generation (26 s at 16 rows on the H200,
+    benchmarks/NOTES.md run 212). The tokens are the per-step engine's."""
+    engine = _engine("xla", decode_steps=4)
+    kinds, step_fn = [], engine.step_fn  # the kinds the engine's steps ask for: decode or not
+    engine.step_fn = lambda decode, **kwargs: kinds.append(decode) or step_fn(decode, **kwargs)
+    with jaxpaged.quiet_triton_deprecation():
+        seqs = _one_token_prompt_beside_a_running_row(engine)
+        refs = _one_token_prompt_beside_a_running_row(_engine("xla", decode_steps=None))
+    assert kinds and not any(kinds) and engine.stats.blocks > 0
+    _assert_same(seqs, refs)
+
+
 def test_prompt_chunks_run_ahead_of_their_reads():
     """Steps of prompt chunks that sample nothing (here the first prompt's, alone in their
     steps) are enqueued before the step before them is read (one in flight at a time); the
@@ -1022,7 +1049,7 @@ def test_prompt_only_steps_sample_nothing_and_skip_the_decode_token_launch():
     engine.add_request(_prompt(20, 1), SamplingParams(4))
     plan = engine.scheduler.schedule()
     assert plan.chunks and not any(c.samples for c in plan.chunks)
-    args = (engine.param_leaves, engine.kv_pages, engine.pool, engine._inputs(plan))
+    args = (engine.param_leaves, engine.kv_pages, engine.pool, engine._inputs(plan, decode=False))
     options = dict(decode=False, all_logits=False, implementation="triton")
     with jaxpaged.quiet_triton_deprecation():
         mixed, prompt_only = (

@@ -419,7 +419,7 @@ def test_failed_reservation_writes_nothing():
         engine.param_leaves,
         engine.kv_pages,
         engine.pool,
-        engine._inputs(plan),
+        engine._inputs(plan, decode=False),
         decode=False,
         all_logits=False,
         implementation="xla",
@@ -469,7 +469,7 @@ def test_step_updates_pages_and_pool_in_place(backend, decode):
         plan = engine.scheduler.schedule()
     assert plan.decode == decode and plan.chunks[0].seq is seq
     step = engine.step_fn(decode)
-    args = (engine.param_leaves, engine.kv_pages, engine.pool, engine._inputs(plan))
+    args = (engine.param_leaves, engine.kv_pages, engine.pool, engine._inputs(plan, decode))
     options = dict(decode=decode, all_logits=False, implementation=backend)
     with jaxpaged.quiet_triton_deprecation():
         compiled = step.lower(*args, **options).compile()

@@ -122,7 +122,7 @@ def test_steps_have_one_all_reduce_per_row_parallel_projection(tp):
             engine.param_leaves,
             engine.kv_pages,
             engine.pool,
-            engine._inputs(plan),
+            engine._inputs(plan, decode=False),
             decode=False,
             all_logits=False,
             implementation="xla",
