@@ -12,10 +12,12 @@ the engine wall time from the first decode launch to the sync of the last block 
 blocks, host syncs and scheduling included; `_decode_part`), after an untimed window of
 other prompts of the same length; `steady_tokens_per_s` leaves out the first block (its
 launch, with the GPU idle), as the HF anchor's difference of two lengths does. Each
-decode row also gives the block length in ms (how long a newly arrived request waits at most),
-the HBM floor (`_step_bytes` over `_copy_bandwidth`) and, with `--hf`, Hugging Face
-transformers with a static cache and torch.compile (`benchmarks.hf_anchor`, run first in a
-subprocess). The dense baseline runs the same weights with a contiguous KV cache and
+decode row also gives the block length in ms (how long a request added between `Engine.step`
+calls waits at most for its mixed step; `benchmarks.serving` times requests that arrive while
+the host waits for a block: up to two blocks), the HBM floor (`_step_bytes` over
+`_copy_bandwidth`) and, with `--hf`, Hugging Face transformers with a static cache and
+torch.compile (`benchmarks.hf_anchor`, run first in a subprocess). The dense baseline runs
+the same weights with a contiguous KV cache and
 `jax.nn.dot_product_attention(implementation="xla")`, one jitted call per prefill or decode step
 with one sync per step; its single-shot prefill logits are compared with the engine's so that
 the baseline is known to be the same model.
