@@ -156,6 +156,22 @@ def test_parameters_and_pages_are_split_over_the_mesh():
 
 
 @needs_host_devices
+def test_pool_updates_compile_on_a_mesh_and_keep_the_placement():
+    """`Engine._compile_pool_updates` (the constructor's where steps run in command buffers)
+    on a mesh changes no page and no slot, and the pages stay split by KV head, the pool
+    replicated."""
+    engine = _engine(2, prefix_caching=True)
+    before = jax.device_get((engine.kv_pages, engine.pool))
+    engine._compile_pool_updates()
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.device_get((engine.kv_pages, engine.pool)), before
+    )
+    k_pages, _ = engine.kv_pages[0]
+    assert k_pages.sharding.spec == P(None, None, "tp", None)
+    assert engine.pool.kv_lens.sharding.is_fully_replicated
+
+
+@needs_host_devices
 def test_heads_must_divide_the_mesh():
     config = dataclasses.replace(CONFIG, num_kv_heads=2, num_q_heads=4)
     with pytest.raises(ValueError, match=r"num_kv_heads 2 must be a multiple of the 'tp'"):
