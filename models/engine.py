@@ -780,7 +780,6 @@ class Engine:
         The constructor calls this where steps run in command buffers."""
         config = self.config
         no_seqs = np.full(config.max_seqs, -1, np.int32)
-        no_pages = np.full(config.num_pages, -1, np.int32)
         with self._calling():
             self.pool = jaxpaged.release(self.pool, no_seqs)
             # An inactive source: `ok` is False and nothing is forked or copied.
@@ -789,8 +788,8 @@ class Engine:
             )
         if self.scheduler.cache is not None:
             no_rows = np.full((config.max_seqs, config.pages_per_seq), -1, np.int32)
-            self._pool_update(jaxpaged.retain, no_pages)
-            self._pool_update(jaxpaged.drop, no_pages)
+            self._pool_update(jaxpaged.retain, self._page_ids([]))
+            self._pool_update(jaxpaged.drop, self._page_ids([]))
             self._pool_update(jaxpaged.attach, no_seqs, no_rows, np.zeros_like(no_seqs))
             self._check_pool_updates()
 
@@ -924,7 +923,7 @@ class Engine:
         # Where decode-only plans run as blocks, a plan of one-token chunks that is not a
         # block (a one-token prompt, or a prompt's last token, beside decode rows) runs in the
         # mixed kind: the decode step kind would compile for that plan alone, mid-generation
-        # (26 s at 16 rows on the H200, benchmarks/NOTES.md run 212).
+        # (26 s at 16 rows on the H200, benchmarks/NOTES.md runs 211-213).
         decode = plan.decode and not blocks
         # A step that samples nothing (prompt chunks short of their prompts' ends) may stay in
         # flight: no read before the next is planned. Every step kind checks the host's

@@ -885,7 +885,7 @@ def test_one_token_chunks_beside_blocks_run_in_the_mixed_kind():
     """With blocks on, a plan of one-token chunks that are not all decode tokens (a one-token
     prompt, or a prompt's last token, beside decode rows) runs in the mixed kind: the decode
     step kind would compile for that plan alone, mid-generation (26 s at 16 rows on the H200,
-    benchmarks/NOTES.md run 212). The tokens are the per-step engine's."""
+    benchmarks/NOTES.md run 213). The tokens are the per-step engine's."""
     engine = _engine("xla", decode_steps=4)
     kinds, step_fn = [], engine.step_fn  # the kinds the engine's steps ask for: decode or not
     engine.step_fn = lambda decode, **kwargs: kinds.append(decode) or step_fn(decode, **kwargs)
