@@ -20,6 +20,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from models.config import EngineConfig
+
 L2_BYTES = 60 * 2**20
 
 
@@ -137,3 +139,19 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.3g}"
     return "-" if x is None else str(x)
+
+
+def roomy_engine_config(
+    *, page_size: int, budget: int, max_seqs: int, max_len: int, chunk: int | None = None
+) -> EngineConfig:
+    """The engine config of the end-to-end benchmarks: steps of `budget` tokens (prompt chunks
+    of `chunk`, default the budget), and a pool that holds all `max_seqs` slots at `max_len`
+    tokens, so that nothing waits for pages."""
+    return EngineConfig(
+        page_size=page_size,
+        num_pages=max_seqs * -(-max_len // page_size),
+        max_seqs=max_seqs,
+        max_tokens_per_step=budget,
+        max_model_len=max_len,
+        chunk_size=chunk or budget,
+    )

@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 import jaxpaged
-from benchmarks.common import print_table, write_results
+from benchmarks.common import print_table, roomy_engine_config, write_results
 from models.checkpoint import load_pretrained
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
@@ -64,14 +64,8 @@ from models.scheduler import SamplingParams
 def _engine(
     model, implementation, *, max_seqs, budget, max_len, page_size, xla_options, chunk=None
 ) -> Engine:
-    pages_per_seq = -(-max_len // page_size)
-    config = EngineConfig(
-        page_size=page_size,
-        num_pages=max_seqs * pages_per_seq,
-        max_seqs=max_seqs,
-        max_tokens_per_step=budget,
-        max_model_len=max_len,
-        chunk_size=chunk or budget,
+    config = roomy_engine_config(
+        page_size=page_size, budget=budget, max_seqs=max_seqs, max_len=max_len, chunk=chunk
     )
     return Engine(model, config, implementation=implementation, xla_options=xla_options)
 

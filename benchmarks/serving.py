@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 import jaxpaged
-from benchmarks.common import print_table, write_results
+from benchmarks.common import print_table, roomy_engine_config, write_results
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
 from models.engine import Engine, Stats
@@ -46,14 +46,11 @@ from models.scheduler import SamplingParams
 
 
 def _config(args) -> EngineConfig:
-    max_len = args.prompt_len + args.new_tokens
-    pages_per_seq = -(-max_len // args.page_size)
-    return EngineConfig(
+    return roomy_engine_config(
         page_size=args.page_size,
-        num_pages=args.max_seqs * pages_per_seq,
+        budget=args.budget,
         max_seqs=args.max_seqs,
-        max_tokens_per_step=args.budget,
-        max_model_len=max_len,
+        max_len=args.prompt_len + args.new_tokens,
     )
 
 

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 import jaxpaged
-from benchmarks.common import print_table, write_results
+from benchmarks.common import print_table, roomy_engine_config, write_results
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
 from models.engine import Engine, Stats
@@ -54,14 +54,8 @@ NO_SHARED_ATTENTION = "shared, no shared-prefix attention"
 
 
 def _config(args, max_seqs: int, max_len: int) -> EngineConfig:
-    """A pool that holds every sequence at its longest: nothing waits for pages."""
-    pages_per_seq = -(-max_len // args.page_size)
-    return EngineConfig(
-        page_size=args.page_size,
-        num_pages=max_seqs * pages_per_seq,
-        max_seqs=max_seqs,
-        max_tokens_per_step=args.budget,
-        max_model_len=max_len,
+    return roomy_engine_config(
+        page_size=args.page_size, budget=args.budget, max_seqs=max_seqs, max_len=max_len
     )
 
 
