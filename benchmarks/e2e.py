@@ -17,10 +17,10 @@ calls waits at most for its mixed step; `benchmarks.serving` times requests that
 the host waits for a block: up to two blocks), the HBM floor (`_step_bytes` over
 `_copy_bandwidth`) and, with `--hf`, Hugging Face transformers with a static cache and
 torch.compile (`benchmarks.hf_anchor`, run first in a subprocess). The dense baseline runs
-the same weights with a contiguous KV cache and
-`jax.nn.dot_product_attention(implementation="xla")`, one jitted call per prefill or decode step
-with one sync per step; its single-shot prefill logits are compared with the engine's so that
-the baseline is known to be the same model.
+the same weights with a contiguous KV cache and `jax.nn.dot_product_attention(
+implementation="xla")`, one jitted call per prefill or decode step with one sync per step; its
+single-shot prefill logits are compared with the engine's so that the baseline is known to be
+the same model.
 
 Batch prefill (`--batch-prompts N`, default 16): N prompts of `--prompt-len` tokens prefilled
 together with the step's token budget held at `--prompt-len`, as a server runs many requests.

@@ -44,6 +44,7 @@ from flax import nnx
 
 import jaxpaged
 from benchmarks.common import print_table, roomy_engine_config, write_results
+from benchmarks.serving import serve
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
 from models.engine import Engine, Stats
@@ -139,17 +140,10 @@ def rollout(model, args, rng) -> list[dict]:
 
 def _burst(engine: Engine, prompts, params: SamplingParams) -> tuple[dict, list]:
     """Add `prompts` at once and run them: TTFT per request and the total time; the outputs."""
-    start = time.perf_counter()
-    added = [(engine.add_request(p, params), time.perf_counter()) for p in prompts]
-    ttft = {}
-    while engine.has_work():
-        engine.step()
-        now = time.perf_counter()
-        ttft |= {seq.id: now - t for seq, t in added if seq.output and seq.id not in ttft}
-    ms = 1e3 * np.array(list(ttft.values()))
-    case = dict(ttft_mean_ms=ms.mean(), ttft_p50_ms=np.median(ms), ttft_max_ms=ms.max())
-    case["total_ms"] = 1e3 * (time.perf_counter() - start)
-    return case, [seq.output for seq, _ in added]
+    served = serve(engine, prompts, params, interval_s=0.0)
+    case = {k: served[k] for k in ("ttft_mean_ms", "ttft_p50_ms", "ttft_max_ms")}
+    case["total_ms"] = served["wall_ms"]
+    return case, served["outputs"]
 
 
 def prefix(model, args, rng) -> list[dict]:
