@@ -7,13 +7,17 @@ A steady stream: `--requests` requests of `--prompt-len` random tokens, each ask
 `--max-seqs` slots whose pool holds every slot at its longest (nothing waits for pages). The
 host loop admits each request once its arrival time has passed and steps the engine while it
 has work, as a server's loop would; it sleeps only when the engine is idle. One case per
-interval; an interval of 0 is a burst, every request at once (the engine's most tokens/s on
-this workload, its slots always full while requests wait):
+interval and `--modes` entry; an interval of 0 is a burst, every request at once (the
+engine's most tokens/s on this workload, its slots always full while requests wait). The
+modes are the loop's `Engine.step` calls: `poll` (`wait=False`: a call returns at once while
+the decode block in flight runs, and the loop polls), `wait` (each call that meets a block in
+flight enqueues the next one and waits for the first):
 
 - `ttft_*_ms`: a request's time to first token, from its arrival to the host holding its first
   token (mean, median, 90th percentile, most). A request that arrives while a decode block
   runs waits for that block (`Engine._next_block` enqueues no block after it while requests
-  wait), then for the mixed step that prefills its prompt and samples its first token.
+  wait; in `wait` mode, for the block enqueued behind it too), then for the mixed step that
+  prefills its prompt and samples its first token.
 - `tpot_ms`: time per output token after the first, the mean over requests of (last token -
   first token) / (tokens - 1).
 - `output_tokens_per_s`: every generated token over the wall time from the first arrival to
@@ -32,6 +36,7 @@ compiles, and a compile evicts every other executable's CUDA graphs (benchmarks/
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import numpy as np
@@ -54,9 +59,11 @@ def _config(args) -> EngineConfig:
     )
 
 
-def serve(engine: Engine, prompts, params: SamplingParams, interval_s: float) -> dict:
-    """Serve `prompts` arriving one every `interval_s`; returns the timings (the module's
-    docstring) and `outputs`, each request's tokens."""
+def serve(
+    engine: Engine, prompts, params: SamplingParams, interval_s: float, *, poll: bool = True
+) -> dict:
+    """Serve `prompts` arriving one every `interval_s`, stepping the engine with `wait=not
+    poll`; returns the timings (the module's docstring) and `outputs`, each request's tokens."""
     arrivals = [i * interval_s for i in range(len(prompts))]
     seqs, first, last = [], {}, {}
     start = time.perf_counter()
@@ -67,7 +74,10 @@ def serve(engine: Engine, prompts, params: SamplingParams, interval_s: float) ->
         if not engine.has_work():
             time.sleep(arrivals[len(seqs)] - now)
             continue
-        engine.step()
+        steps = engine.stats.steps
+        engine.step(wait=not poll)
+        if engine.stats.steps == steps:  # a poll of a block in flight, or a step left in flight
+            continue
         now = time.perf_counter() - start
         for i, seq in enumerate(seqs):
             if seq.output and i not in first:
@@ -107,6 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, default in (sizes | dict(requests=64)).items():  # budget: a step's tokens
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     parser.add_argument("--interval-ms", type=float, nargs="*", default=[40.0, 20.0, 12.5, 0.0])
+    parser.add_argument("--modes", nargs="+", default=["poll"], choices=["poll", "wait"])
     parser.add_argument("--smoke", action="store_true", help="tiny config, small sizes")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -122,18 +133,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     params = SamplingParams(args.new_tokens)
+    start = time.perf_counter()
     engine = Engine(model, _config(args), implementation=args.implementation)
+    sizes = engine.config.step_token_counts
+    print(f"engine built in {time.perf_counter() - start:.1f} s (mixed steps of {sizes} tokens)")
     warm = rng.integers(0, vocab, (min(args.requests, 2 * args.max_seqs), args.prompt_len))
     for _ in range(2):
         serve(engine, warm.tolist(), params, min(args.interval_ms) / 1e3)
     cases = []
-    for interval_ms in args.interval_ms:
+    for mode, interval_ms in itertools.product(args.modes, args.interval_ms):
         prompts = rng.integers(0, vocab, (args.requests, args.prompt_len)).tolist()
         engine.stats = Stats()
-        case = dict(kind="serving", interval_ms=interval_ms, requests=args.requests)
+        case = dict(kind="serving", mode=mode, interval_ms=interval_ms, requests=args.requests)
         case |= dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens)
         case |= dict(max_seqs=args.max_seqs, decode_steps=engine.config.decode_steps)
-        timed = serve(engine, prompts, params, interval_ms / 1e3)
+        timed = serve(engine, prompts, params, interval_ms / 1e3, poll=mode == "poll")
         outputs = timed.pop("outputs")
         case |= timed
         if any(len(out) != args.new_tokens for out in outputs):

@@ -87,6 +87,12 @@ CONFIGS: dict[str, ModelConfig] = {
 }
 
 
+# The smallest prompt chunk a default mixed step size is made for: at fewer tokens, a step of
+# the 1B decoder reads its weights in about the time it multiplies them on the H200, so a
+# smaller step saves little.
+MIN_HALVED_CHUNK = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Sizes of the jitted steps and the page pool. Every array a step sees has a shape fixed by
@@ -96,6 +102,12 @@ class EngineConfig:
     num_pages: pages per layer in the pool.
     max_seqs: sequence slots (S of every step; the decode step's T too).
     max_tokens_per_step: token budget of a mixed step (its T): prefill chunks plus decodes.
+    mixed_step_tokens: the smaller token counts a mixed step that samples also compiles at; it
+      runs at the smallest that holds its chunks (`step_token_counts`), so that a step of one
+      1024-token prompt beside the decode rows does not pay for a budget of 2048. None: for
+      each halving `max_tokens_per_step / 2**k` of at least `MIN_HALVED_CHUNK` tokens, that
+      many plus `max_seqs` (a prompt chunk beside a decode token per other slot); (): none.
+      Each is one more compile of the mixed kind.
     max_model_len: most tokens a sequence may hold (prompt + generated); sets pages_per_seq.
     chunk_size: most prompt tokens of one sequence per step (None: the whole budget). Changing
       it does not recompile.
@@ -124,6 +136,7 @@ class EngineConfig:
     num_pages: int = 512
     max_seqs: int = 8
     max_tokens_per_step: int = 256
+    mixed_step_tokens: tuple[int, ...] | None = None
     max_model_len: int = 1024
     chunk_size: int | None = None
     decode_steps: int | None = 16
@@ -147,6 +160,12 @@ class EngineConfig:
             raise ValueError(
                 f"max_prefix_groups must be None or >= 1; got {self.max_prefix_groups}"
             )
+        tokens = self.mixed_step_tokens or ()
+        if any(not 0 < n <= self.max_tokens_per_step for n in tokens):
+            raise ValueError(
+                f"mixed_step_tokens must lie in [1, max_tokens_per_step="
+                f"{self.max_tokens_per_step}]; got {self.mixed_step_tokens}"
+            )
         if self.max_prefix_group is not None and self.max_prefix_group < 2:
             raise ValueError(
                 f"max_prefix_group must be None or >= 2 (a group of one shares nothing); got "
@@ -156,3 +175,13 @@ class EngineConfig:
     @property
     def pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
+
+    @property
+    def step_token_counts(self) -> tuple[int, ...]:
+        """The token counts (T) of the mixed steps that sample, ascending; the last is
+        `max_tokens_per_step`."""
+        budget, tokens = self.max_tokens_per_step, self.mixed_step_tokens
+        if tokens is None:
+            halvings = (budget >> k for k in range(1, budget.bit_length()))
+            tokens = [n + self.max_seqs for n in halvings if n >= MIN_HALVED_CHUNK]
+        return tuple(sorted({n for n in tokens if n < budget} | {budget}))

@@ -706,6 +706,7 @@ class Engine:
 
         decode_options = options(self.decode_rows, True)
         mixed_options = options(config.max_tokens_per_step, False)
+        mixed_sizes = {n: options(n, False) for n in config.step_token_counts}
         # Whether a step of a kind may stay in flight while the next is enqueued: not where it
         # runs in a command buffer, whose next launch waited for it on the H200 and took
         # longer than the read it saved (benchmarks/NOTES.md, "Session 11"). Every step kind
@@ -737,7 +738,12 @@ class Engine:
         # buffer in flight: a prompt in chunks of 512 then keeps the GPU busy while the host
         # plans and launches the next chunk, one graph launch instead of ~200 kernels
         # (benchmarks/NOTES.md, "Session 22").
-        self._mixed_fn = step_function(self.graphdef, treedef, mixed_options)
+        # The mixed kind at each of its sizes (`EngineConfig.step_token_counts`): a plan runs
+        # in the smallest that holds it. Prompt-only steps fill the budget with their chunks,
+        # and keep it.
+        self._mixed_fns = {
+            n: step_function(self.graphdef, treedef, opts) for n, opts in mixed_sizes.items()
+        }
         self._prompt_fns = tuple(
             step_function(self.graphdef, treedef, mixed_options, prompt_only=True, copy=i)
             for i in range(1 if self._may_stay[False] else 2)
@@ -770,8 +776,12 @@ class Engine:
         # eviction runs once op by op before it records its graph again. The first `release`,
         # when the first sequences finished, cost the decode block after it ~20 ms of host
         # time at 16 rows with the GPU idle (benchmarks/NOTES.md, runs 207-208).
-        if on_gpu and (uses_command_buffers(decode_options) or uses_command_buffers(mixed_options)):
+        if on_gpu and any(map(uses_command_buffers, (decode_options, *mixed_sizes.values()))):
             self._compile_pool_updates()
+        # The mixed kind compiles at each of its sizes now too: a plan meets a size when its
+        # tokens come to it, and a compile mid-generation stalls the host for seconds.
+        if on_gpu:
+            self._compile_mixed_steps()
 
     def _compile_pool_updates(self) -> None:
         """Compile the pool updates the host schedules between steps, by running each once on
@@ -792,6 +802,24 @@ class Engine:
             self._pool_update(jaxpaged.drop, self._page_ids([]))
             self._pool_update(jaxpaged.attach, no_seqs, no_rows, np.zeros_like(no_seqs))
             self._check_pool_updates()
+
+    def _compile_mixed_steps(self) -> None:
+        """Compile the mixed kind at each of its sizes by running it on a plan of no chunks,
+        which changes nothing (its tokens are padding: no slot, no page). The constructor
+        calls this on a GPU."""
+        empty = Plan([])
+        for num_tokens, fn in self._mixed_fns.items():
+            with self._calling():
+                self.kv_pages, self.pool, out = fn(
+                    self.param_leaves,
+                    self.kv_pages,
+                    self.pool,
+                    self._inputs(empty, decode=False, num_tokens=num_tokens),
+                    decode=False,
+                    all_logits=False,
+                    implementation=self.implementation,
+                )
+            out.ok.block_until_ready()
 
     def _prefix_sharing(self, model: Decoder) -> PrefixSharing | None:
         """The decode steps' `PrefixSharing`. None (plain decode, and no shared-prefix path
@@ -814,19 +842,25 @@ class Engine:
         return PrefixSharing(size, config.shared_prefix_min_tokens, config.max_prefix_groups)
 
     def step_fn(
-        self, decode: bool, shared_prefix: bool = True, in_flight: bool = False, turn: int = 0
+        self,
+        decode: bool,
+        shared_prefix: bool = True,
+        in_flight: bool = False,
+        turn: int = 0,
+        num_tokens: int | None = None,
     ):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
         *, decode, all_logits, implementation) -> (kv_pages, pool, StepOutputs)`, pages and
         pool donated. A decode step has the shared-prefix path when `prefix_sharing` is set,
         unless `shared_prefix` is False; `in_flight`: the prompt-only step that may stay in
         flight, the copy whose `turn` it is (of two where mixed steps run in command
-        buffers)."""
+        buffers); else the mixed step of `num_tokens` tokens (one of
+        `config.step_token_counts`; None: the budget)."""
         if decode:
             return self._decode_fns[shared_prefix]
         if in_flight:
             return self._prompt_fns[turn % len(self._prompt_fns)]
-        return self._mixed_fn
+        return self._mixed_fns[num_tokens or self.config.max_tokens_per_step]
 
     @property
     def block_fn(self):
@@ -902,13 +936,21 @@ class Engine:
     def has_work(self) -> bool:
         return self._block is not None or self._step is not None or self.scheduler.has_work()
 
-    def step(self, *, record_prompt_logits: bool = False) -> list[Sequence]:
+    def step(self, *, record_prompt_logits: bool = False, wait: bool = True) -> list[Sequence]:
         """Run one step, or enqueue or finish a decode block; returns the sequences it finished.
 
         Decode-only plans run as blocks of up to `config.decode_steps` steps, unless
         `decode_steps` is None or `record_prompt_logits` asks for every step's logits.
+
+        `wait=False` is for a server's loop that adds requests as they arrive: while the
+        decode block in flight runs, the call returns [] at once, having enqueued and read
+        nothing. The block after it is then enqueued when it has ended, not before: the GPU
+        waits for that launch, and a request added meanwhile waits for the rest of one
+        block, not for a block enqueued behind it too.
         """
         if self._block is not None:
+            if not wait and not self._block_ended():
+                return []
             return self._next_block()
         plan = self.scheduler.schedule()
         self.stats.prefix_queried_pages += plan.prefix_queried
@@ -945,7 +987,8 @@ class Engine:
             rows = [c.seq for c in plan.chunks]
             self._block = _Block(rows, self._launch_block(self._block_inputs(rows), rows))
             return [] if self.overlap else self._next_block()
-        inputs = self._inputs(plan, decode)
+        num_tokens = self._num_tokens(plan, decode, stays)
+        inputs = self._inputs(plan, decode, num_tokens)
         start = time.perf_counter()
         with self._calling():
             fn = self.step_fn(
@@ -953,6 +996,7 @@ class Engine:
                 shared_prefix=self._shares_pages(),
                 in_flight=stays,
                 turn=self._prompt_steps,
+                num_tokens=num_tokens,
             )
             self._prompt_steps += stays
             self.kv_pages, self.pool, out = fn(
@@ -1067,6 +1111,10 @@ class Engine:
             self.step(record_prompt_logits=record_prompt_logits)
         return seqs
 
+    def _block_ended(self) -> bool:
+        """Whether the decode block in flight has run (its outputs are on the device)."""
+        return self._block.out.steps.is_ready()
+
     def _next_block(self) -> list[Sequence]:
         """Enqueue the block after the one in flight when it may do work, then finish the one
         in flight."""
@@ -1161,10 +1209,23 @@ class Engine:
             budgets[i] = seq.params.max_new_tokens - len(seq.output)
         return BlockInputs(tokens, seq_ids, budgets, self._sampling(rows, num_rows))
 
-    def _inputs(self, plan: Plan, decode: bool) -> StepInputs:
-        """The inputs of a step of `plan` in the decode kind (`decode`) or the mixed one."""
+    def _num_tokens(self, plan: Plan, decode: bool, prompt_only: bool) -> int:
+        """The token count (T) of the step that runs `plan`: a decode step's rows, the budget
+        of a prompt-only step, the smallest of `config.step_token_counts` that holds a mixed
+        step's chunks."""
+        if decode:
+            return self.decode_rows
+        if prompt_only:
+            return self.config.max_tokens_per_step
+        tokens = sum(c.length for c in plan.chunks)
+        return next(n for n in self.config.step_token_counts if n >= tokens)
+
+    def _inputs(self, plan: Plan, decode: bool, num_tokens: int | None = None) -> StepInputs:
+        """The inputs of a step of `plan` in the decode kind (`decode`) or the mixed one, of
+        `num_tokens` tokens (None: the decode rows, or the budget)."""
         num_seq_slots = self.decode_rows if decode else self.config.max_seqs
-        num_tokens = num_seq_slots if decode else self.config.max_tokens_per_step
+        if num_tokens is None:
+            num_tokens = num_seq_slots if decode else self.config.max_tokens_per_step
         tokens = np.zeros(num_tokens, np.int32)
         seq_ids = np.full(num_seq_slots, -1, np.int32)
         cu_q_lens = np.zeros(num_seq_slots + 1, np.int32)

@@ -79,7 +79,7 @@ def test_sharing_smoke_shares_pages_and_prompts_and_changes_no_token(tmp_path):
 def test_serving_smoke_times_every_request(tmp_path):
     """The tiny stream (8 requests of 40 tokens, 12 new tokens each, one every 5 ms at 4
     slots): every request's first token after its arrival, and its tokens those of the same
-    prompts run at once (the serving loop changes no token)."""
+    prompts run at once (the serving loop changes no token, polling or waiting)."""
     cases = serving.main(["--smoke", "--out", str(tmp_path / "h200_serving.json")])
     assert json.loads((tmp_path / "h200_serving.json").read_text())["cases"] == cases
     [case] = cases
@@ -91,8 +91,9 @@ def test_serving_smoke_times_every_request(tmp_path):
     engine = Engine(Decoder(CONFIGS["tiny"], rngs=nnx.Rngs(0)), serving._config(sizes))
     prompts = np.random.default_rng(1).integers(0, 97, (6, 40)).tolist()
     params = SamplingParams(12)
-    served = serving.serve(engine, prompts, params, 0.002)["outputs"]
-    assert served == [s.output for s in engine.generate(prompts, params)]
+    want = [s.output for s in engine.generate(prompts, params)]
+    for poll in (True, False):
+        assert serving.serve(engine, prompts, params, 0.002, poll=poll)["outputs"] == want
 
 
 def test_loader_reads_the_recorded_results():

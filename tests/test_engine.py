@@ -240,6 +240,46 @@ def test_overlap_enqueues_the_next_block_before_reading_this_one():
     _assert_same(seqs, _generate(_engine("xla", decode_steps=4, overlap=False), PROMPTS, GREEDY))
 
 
+def test_a_step_that_does_not_wait_returns_while_the_block_runs():
+    """`step(wait=False)` while the block in flight runs enqueues and reads nothing; once it
+    has ended, the call enqueues the next block, or, with a request added meanwhile, none
+    (that request is admitted by the step after). The tokens are those of `wait=True`."""
+    prompts, params = [_prompt(9, 1), _prompt(11, 2)], [SamplingParams(30), SamplingParams(5)]
+    engine = _engine("xla", decode_steps=4)
+    running = True
+    engine._block_ended = lambda: not running
+    first = engine.add_request(prompts[0], params[0])
+    while engine._block is None:
+        engine.step(wait=False)
+    counts = lambda: (engine.stats.steps, engine.stats.blocks, engine._prompt_steps)  # noqa: E731
+    block, before = engine._block, counts()
+    for _ in range(3):
+        assert engine.step(wait=False) == []
+    assert engine._block is block and counts() == before and len(first.output) == 1
+    running = False
+    engine.step(wait=False)  # reads the block, having enqueued the next one
+    assert engine._block is not None and engine._block is not block
+    assert len(first.output) == 5
+    running = True
+    late = engine.add_request(prompts[1], params[1])
+    assert engine.step(wait=False) == [] and late.num_cached == 0
+    running = False
+    engine.step(wait=False)  # reads the block, enqueues none: a request waits
+    assert engine._block is None and len(first.output) == 9 and late.num_cached == 0
+    engine.step(wait=False)  # the mixed step that admits it
+    assert late.num_cached == len(late.tokens) - 1 and len(late.output) == 1
+    while engine.has_work():
+        engine.step(wait=False)
+    waited = _engine("xla", decode_steps=4)
+    refs = [waited.add_request(prompts[0], params[0])]
+    while len(refs[0].output) < 9:
+        waited.step()
+    refs.append(waited.add_request(prompts[1], params[1]))
+    while waited.has_work():
+        waited.step()
+    _assert_same([first, late], refs)
+
+
 def test_request_arriving_during_a_block_waits_at_most_that_block():
     """A request added while a block runs gets its first prefill step right after that block:
     the engine enqueues no further block ahead of it."""
@@ -391,6 +431,84 @@ def test_engine_config_rejects_bad_block_sizes():
         EngineConfig(decode_steps=0)
     with pytest.raises(ValueError, match="max_stop_tokens"):
         EngineConfig(max_stop_tokens=0)
+    for tokens in [(0,), (8, 65)]:
+        with pytest.raises(ValueError, match="mixed_step_tokens must lie in"):
+            dataclasses.replace(CONFIG, mixed_step_tokens=tokens)
+
+
+def test_mixed_step_sizes_halve_the_budget_down_to_256_prompt_tokens():
+    """By default a mixed step also compiles at each halving of the budget of at least 256
+    tokens, plus a decode token per slot; `mixed_step_tokens` names them instead, and ()
+    leaves the budget alone."""
+    config = EngineConfig(max_seqs=16, max_tokens_per_step=2048)
+    assert config.step_token_counts == (256 + 16, 512 + 16, 1024 + 16, 2048)
+    assert dataclasses.replace(config, max_tokens_per_step=600).step_token_counts == (316, 600)
+    assert dataclasses.replace(config, max_tokens_per_step=511).step_token_counts == (511,)
+    assert dataclasses.replace(config, mixed_step_tokens=()).step_token_counts == (2048,)
+    sizes = dataclasses.replace(config, mixed_step_tokens=(2048, 100, 100, 7))
+    assert sizes.step_token_counts == (7, 100, 2048)
+    assert CONFIG.step_token_counts == (64,)
+
+
+def _staged(engine: Engine) -> list:
+    """A 50-token prompt in chunks of 40, then, each once the one before has its first token, a
+    5-token and a 30-token prompt: steps of 40 prompt tokens that sample nothing, then 10,
+    5 + 1 and 30 + 2 tokens that sample."""
+    seqs = []
+    for n in (50, 5, 30):
+        seqs.append(engine.add_request(_prompt(n, 900 + n), SamplingParams(6)))
+        while not seqs[-1].output:
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    return seqs
+
+
+def test_mixed_steps_run_at_the_smallest_size_that_holds_their_chunks():
+    """A mixed step that samples runs at the smallest of `step_token_counts` that holds its
+    chunks; a prompt-only step (chunks short of their prompts' ends) at the budget. The tokens
+    are those of the engine whose mixed steps all take the budget."""
+    sizes = dict(chunk_size=40, decode_steps=4, mixed_step_tokens=(8, 24))
+    engine = _engine("xla", **sizes)
+    assert engine.config.step_token_counts == (8, 24, 64)
+    calls = []  # (the size called, the inputs' tokens, the chunks' tokens)
+
+    def recorded(kind, fn):
+        def call(*args, **kwargs):
+            inputs = args[3]
+            calls.append((kind, inputs.tokens.shape[0], int(inputs.cu_q_lens[-1])))
+            return fn(*args, **kwargs)
+
+        return call
+
+    engine._mixed_fns = {n: recorded(n, fn) for n, fn in engine._mixed_fns.items()}
+    engine._prompt_fns = tuple(recorded("prompt", fn) for fn in engine._prompt_fns)
+    with jaxpaged.quiet_triton_deprecation():
+        seqs = _staged(engine)
+        refs = _staged(_engine("xla", **sizes | dict(mixed_step_tokens=())))
+    assert calls == [("prompt", 64, 40), (24, 24, 10), (8, 8, 6), (64, 64, 32)]
+    _assert_same(seqs, refs)
+
+
+def test_mixed_steps_compile_with_the_engine_and_change_nothing():
+    """On a GPU the constructor runs the mixed kind once at each of its sizes
+    (`_compile_mixed_steps`): a plan would otherwise compile a size when its tokens first come
+    to it, seconds of stall mid-generation. Run on a plan of no chunks, it changes no page
+    and no slot; a generation then compiles no mixed step."""
+    engine = _engine("xla", max_tokens_per_step=48, mixed_step_tokens=(9, 20), decode_steps=4)
+    engine.add_request(_prompt(60, 5), SamplingParams(3))
+    engine.step()  # a sequence's pages and slot to keep: its first 48 tokens, sampling nothing
+    before = jax.device_get((engine.kv_pages, engine.pool))
+    with count_compilations() as compiles:
+        engine._compile_mixed_steps()
+    # On a GPU the constructor ran it first.
+    assert compiles.count("jit(step)") == (0 if jax.default_backend() == "gpu" else 3), compiles
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.device_get((engine.kv_pages, engine.pool)), before
+    )
+    with count_compilations() as compiles:
+        _generate(engine, [_prompt(n, 910 + n) for n in (2, 5, 19, 40)], SamplingParams(3))
+    assert "jit(step)" not in compiles, compiles
 
 
 # Requests of n samples: a prompt whose last page is partly filled (its copy per sample), one
@@ -981,7 +1099,7 @@ def _recorded(engine: Engine, events: list[str]) -> None:
 
     read_step = engine._read_step
     engine._read_step = lambda step, **kw: events.append("read") or read_step(step, **kw)
-    engine._mixed_fn = recorded("mixed", engine._mixed_fn)
+    engine._mixed_fns = {n: recorded("mixed", fn) for n, fn in engine._mixed_fns.items()}
     engine._prompt_fns = tuple(recorded(f"copy {i}", fn) for i, fn in enumerate(engine._prompt_fns))
 
 
