@@ -142,16 +142,23 @@ def _fmt(x) -> str:
 
 
 def roomy_engine_config(
-    *, page_size: int, budget: int, max_seqs: int, max_len: int, chunk: int | None = None
+    *,
+    page_size: int,
+    budget: int,
+    max_seqs: int,
+    max_len: int,
+    chunk: int | None = None,
+    mixed_step_tokens: tuple[int, ...] | None = None,
 ) -> EngineConfig:
     """The engine config of the end-to-end benchmarks: steps of `budget` tokens (prompt chunks
-    of `chunk`, default the budget), and a pool that holds all `max_seqs` slots at `max_len`
-    tokens, so that nothing waits for pages."""
+    of `chunk`, default the budget; mixed steps also of `mixed_step_tokens`), and a pool that
+    holds all `max_seqs` slots at `max_len` tokens, so that nothing waits for pages."""
     return EngineConfig(
         page_size=page_size,
         num_pages=max_seqs * -(-max_len // page_size),
         max_seqs=max_seqs,
         max_tokens_per_step=budget,
+        mixed_step_tokens=mixed_step_tokens,
         max_model_len=max_len,
         chunk_size=chunk or budget,
     )

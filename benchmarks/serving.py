@@ -46,7 +46,7 @@ import jaxpaged
 from benchmarks.common import print_table, roomy_engine_config, write_results
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
-from models.engine import Engine, Stats
+from models.engine import COMMAND_BUFFER_MAX_TOKENS, Engine, Stats, step_xla_options
 from models.scheduler import SamplingParams
 
 
@@ -56,6 +56,7 @@ def _config(args) -> EngineConfig:
         budget=args.budget,
         max_seqs=args.max_seqs,
         max_len=args.prompt_len + args.new_tokens,
+        mixed_step_tokens=None if args.mixed_step_tokens is None else tuple(args.mixed_step_tokens),
     )
 
 
@@ -118,6 +119,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     parser.add_argument("--interval-ms", type=float, nargs="*", default=[40.0, 20.0, 12.5, 0.0])
     parser.add_argument("--modes", nargs="+", default=["poll"], choices=["poll", "wait"])
+    parser.add_argument(
+        "--mixed-step-tokens", type=int, nargs="*", default=None, help="none: the budget only"
+    )
+    parser.add_argument(
+        "--graphs-up-to",
+        type=int,
+        default=COMMAND_BUFFER_MAX_TOKENS,
+        help="steps of at most this many tokens run in command buffers",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny config, small sizes")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -134,9 +144,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rng = np.random.default_rng(0)
     params = SamplingParams(args.new_tokens)
     start = time.perf_counter()
-    engine = Engine(model, _config(args), implementation=args.implementation)
-    sizes = engine.config.step_token_counts
-    print(f"engine built in {time.perf_counter() - start:.1f} s (mixed steps of {sizes} tokens)")
+    engine = Engine(
+        model,
+        _config(args),
+        implementation=args.implementation,
+        xla_options=lambda n, decode: step_xla_options(
+            n, decode=decode, graphs_up_to=args.graphs_up_to
+        ),
+    )
+    counts = engine.config.step_token_counts
+    print(f"engine built in {time.perf_counter() - start:.1f} s (mixed steps of {counts} tokens)")
     warm = rng.integers(0, vocab, (min(args.requests, 2 * args.max_seqs), args.prompt_len))
     for _ in range(2):
         serve(engine, warm.tolist(), params, min(args.interval_ms) / 1e3)
@@ -147,6 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         case = dict(kind="serving", mode=mode, interval_ms=interval_ms, requests=args.requests)
         case |= dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens)
         case |= dict(max_seqs=args.max_seqs, decode_steps=engine.config.decode_steps)
+        case |= dict(mixed_step_tokens=counts, graphs_up_to=args.graphs_up_to)
         timed = serve(engine, prompts, params, interval_ms / 1e3, poll=mode == "poll")
         outputs = timed.pop("outputs")
         case |= timed

@@ -479,12 +479,15 @@ def uses_command_buffers(xla_options: tuple[tuple[str, object], ...]) -> bool:
     return dict(xla_options).get("xla_gpu_enable_command_buffer", "default") != ""
 
 
-def step_xla_options(num_tokens: int, *, decode: bool = False) -> tuple[tuple[str, object], ...]:
+def step_xla_options(
+    num_tokens: int, *, decode: bool = False, graphs_up_to: int = COMMAND_BUFFER_MAX_TOKENS
+) -> tuple[tuple[str, object], ...]:
     """The XLA options of a step or block of `num_tokens` tokens (its T); `decode`: one token
     per row (decode projections keep XLA's Triton GEMMs at every batch: with the whole block
     in one command buffer they beat cuBLAS at 16 and 64 rows, benchmarks/NOTES.md "Session
-    10"; from `EXHAUSTIVE_TILING_MIN_ROWS` rows they take the exhaustive tiling search)."""
-    if num_tokens > COMMAND_BUFFER_MAX_TOKENS:
+    10"; from `EXHAUSTIVE_TILING_MIN_ROWS` rows they take the exhaustive tiling search).
+    Steps of at most `graphs_up_to` tokens run in command buffers."""
+    if num_tokens > graphs_up_to:
         options = LARGE_STEP_XLA_OPTIONS
     else:
         options = SMALL_STEP_XLA_OPTIONS

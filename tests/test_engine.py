@@ -982,7 +982,10 @@ def test_pool_updates_compile_with_the_engine_and_change_nothing():
         _generate(engine, CACHED_PROMPTS[:12], CACHED_PARAMS[:12])
     updates = {f"jit({name})" for name in ("release", "fork_samples", "retain", "drop", "attach")}
     assert not updates & set(compiles), compiles
-    assert {"jit(block)", "jit(step)"} <= set(compiles)  # names as JAX gives them
+    # Names as JAX gives them; on a GPU the constructor compiled the steps too.
+    assert "jit(block)" in compiles and ("jit(step)" in compiles) != (
+        jax.default_backend() == "gpu"
+    )
     stats = engine.stats
     assert stats.forked_samples and stats.prefix_hit_pages and stats.prefix_evicted_pages
 
