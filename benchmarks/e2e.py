@@ -64,8 +64,16 @@ from models.scheduler import SamplingParams
 def _engine(
     model, implementation, *, max_seqs, budget, max_len, page_size, xla_options, chunk=None
 ) -> Engine:
+    # Mixed steps at the budget only: the timed steps fill it (whole prompts or chunks of
+    # them) or are decode blocks, so smaller sizes would be compiles (~13 s each on the H200)
+    # that no timed step takes.
     config = roomy_engine_config(
-        page_size=page_size, budget=budget, max_seqs=max_seqs, max_len=max_len, chunk=chunk
+        page_size=page_size,
+        budget=budget,
+        max_seqs=max_seqs,
+        max_len=max_len,
+        chunk=chunk,
+        mixed_step_tokens=(),
     )
     return Engine(model, config, implementation=implementation, xla_options=xla_options)
 

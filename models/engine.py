@@ -946,13 +946,17 @@ class Engine:
         `decode_steps` is None or `record_prompt_logits` asks for every step's logits.
 
         `wait=False` is for a server's loop that adds requests as they arrive: while the
-        decode block in flight runs, the call returns [] at once, having enqueued and read
-        nothing. The block after it is then enqueued when it has ended, not before: the GPU
-        waits for that launch, and a request added meanwhile waits for the rest of one
-        block, not for a block enqueued behind it too.
+        decode block in flight runs and a slot may come free by its end, the call returns []
+        at once, having enqueued and read nothing. The block after it is then enqueued when
+        it has ended, not before: a request added meanwhile waits for the rest of one block,
+        not for a block enqueued behind it too, and the GPU waits for that launch (~1.3 ms a
+        block on the H200, benchmarks/NOTES.md run 216). Where no slot can come free (all
+        taken, and no row's token budget ends within the block), the call does what `wait`
+        does: a request added meanwhile could not start sooner. A row that stops at a stop
+        token frees its slot unforeseen: a request may then wait for one more block.
         """
         if self._block is not None:
-            if not wait and not self._block_ended():
+            if not wait and not self._block_ended() and self._slot_may_free():
                 return []
             return self._next_block()
         plan = self.scheduler.schedule()
@@ -1117,6 +1121,15 @@ class Engine:
     def _block_ended(self) -> bool:
         """Whether the decode block in flight has run (its outputs are on the device)."""
         return self._block.out.steps.is_ready()
+
+    def _slot_may_free(self) -> bool:
+        """Whether a request could start after the decode block in flight: a slot is free,
+        or a row's token budget ends within the block (the host has read the blocks before
+        it)."""
+        steps = self.config.decode_steps
+        return bool(self.scheduler.free_slots) or any(
+            s.finished or s.params.max_new_tokens - len(s.output) <= steps for s in self._block.rows
+        )
 
     def _next_block(self) -> list[Sequence]:
         """Enqueue the block after the one in flight when it may do work, then finish the one

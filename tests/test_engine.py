@@ -280,6 +280,35 @@ def test_a_step_that_does_not_wait_returns_while_the_block_runs():
     _assert_same([first, late], refs)
 
 
+def test_a_step_that_does_not_wait_waits_while_no_slot_can_free():
+    """With every slot taken and no row's budget ending within the block in flight,
+    `step(wait=False)` does what `step()` does: it enqueues the next block and reads this
+    one (a request could not start sooner). Once a row's budget ends within the block in
+    flight, it returns at once again."""
+    engine = _engine("xla", decode_steps=4)
+    running = True
+    engine._block_ended = lambda: not running
+    prompts = [_prompt(5 + i, 30 + i) for i in range(4)]
+    params = [SamplingParams(14 + i) for i in range(4)]
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    while engine._block is None:
+        engine.step(wait=False)
+    assert not engine.scheduler.free_slots and all(len(s.output) == 1 for s in seqs)
+    # Budgets of 13-16 tokens left as the host sees them, then 9-12, then 5-8: nobody's ends
+    # within the block in flight, whose 4 tokens a row the host has not read yet.
+    for read in (5, 9, 13):
+        block = engine._block
+        engine.step(wait=False)
+        assert engine._block is not block and [len(s.output) for s in seqs] == [read] * 4
+    block = engine._block
+    assert engine.step(wait=False) == []  # 1-4 left: every row ends within the block in flight
+    assert engine._block is block and [len(s.output) for s in seqs] == [13] * 4
+    running = False
+    while engine.has_work():
+        engine.step(wait=False)
+    _assert_same(seqs, _generate(_engine("xla", decode_steps=4), prompts, params))
+
+
 def test_request_arriving_during_a_block_waits_at_most_that_block():
     """A request added while a block runs gets its first prefill step right after that block:
     the engine enqueues no further block ahead of it."""
