@@ -439,6 +439,12 @@ def fork_samples(
     return [jaxpaged.copy_pages(k, v, *copies) for k, v in kv_pages], pool, ok
 
 
+# `Engine.step(wait=False)` enqueues the next decode block this long before the block in
+# flight is expected to end: enough for the host's launch of the next (the GPU idled ~1.3 ms a
+# block where it came after the end, benchmarks/NOTES.md runs 216-217), and a request that
+# arrives within it waits for one more block.
+BLOCK_LAUNCH_LEAD_S = 2e-3
+
 # XLA options of the engine's steps on GPUs (ignored elsewhere). A step of the ~1B decoder is
 # 300-400 kernels, and launching them one by one costs the host milliseconds. XLA's command
 # buffers (CUDA graphs) cut that, but the graph is updated before it is launched, so the GPU
@@ -768,7 +774,8 @@ class Engine:
         self._step: _Step | None = None  # the step in flight
         self._last_read = 0.0  # perf_counter() when the host last read a step
         self._last_block_failed = False
-        self._clock = 0.0
+        self._clock = 0.0  # perf_counter() when the decode block in flight began, about
+        self._block_step_s = None  # seconds a step of the last full block took
         self._pool_oks: list[jax.Array] = []  # of the prefix cache's pool updates, unread
         # Pages whose release the host enqueued after the decode block in flight: held till it
         # ends.
@@ -947,16 +954,18 @@ class Engine:
 
         `wait=False` is for a server's loop that adds requests as they arrive: while the
         decode block in flight runs and a slot may come free by its end, the call returns []
-        at once, having enqueued and read nothing. The block after it is then enqueued when
-        it has ended, not before: a request added meanwhile waits for the rest of one block,
-        not for a block enqueued behind it too, and the GPU waits for that launch (~1.3 ms a
-        block on the H200, benchmarks/NOTES.md run 216). Where no slot can come free (all
-        taken, and no row's token budget ends within the block), the call does what `wait`
-        does: a request added meanwhile could not start sooner. A row that stops at a stop
-        token frees its slot unforeseen: a request may then wait for one more block.
+        at once, having enqueued and read nothing, until the block is within
+        `BLOCK_LAUNCH_LEAD_S` of its end (by the last full block's time per step). Then it
+        does what `wait` does: it enqueues the next block and waits for this one. A request
+        added before then waits for the rest of one block, not for a block enqueued behind
+        it too. Enqueued at the block's end instead, the next block left the GPU idle ~1.3
+        ms (benchmarks/NOTES.md runs 216-217). Where no slot can come free (all taken, and
+        no row's token budget ends within the block) the call waits at once: a request added
+        meanwhile could not start sooner. A row that stops at a stop token frees its slot
+        unforeseen: a request may then wait for one more block.
         """
         if self._block is not None:
-            if not wait and not self._block_ended() and self._slot_may_free():
+            if not wait and self._slot_may_free() and not self._block_ending():
                 return []
             return self._next_block()
         plan = self.scheduler.schedule()
@@ -1118,9 +1127,17 @@ class Engine:
             self.step(record_prompt_logits=record_prompt_logits)
         return seqs
 
-    def _block_ended(self) -> bool:
-        """Whether the decode block in flight has run (its outputs are on the device)."""
-        return self._block.out.steps.is_ready()
+    def _block_ending(self) -> bool:
+        """Whether the decode block in flight has run (its outputs are on the device), or is
+        expected to end within `BLOCK_LAUNCH_LEAD_S`: it has run since the host read the
+        block before it (or launched it), for as long as a full block took last, less the
+        lead."""
+        if self._block.out.steps.is_ready():
+            return True
+        if self._block_step_s is None:
+            return False
+        expected = self._block_step_s * self.config.decode_steps
+        return time.perf_counter() - self._clock >= expected - BLOCK_LAUNCH_LEAD_S
 
     def _slot_may_free(self) -> bool:
         """Whether a request could start after the decode block in flight: a slot is free,
@@ -1178,6 +1195,8 @@ class Engine:
         self._check_pool_updates()
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
+        if steps == self.config.decode_steps:
+            self._block_step_s = elapsed / steps
         self.stats.blocks += 1
         self.stats.steps += int(steps)
         self.stats.decode_steps += int(steps)

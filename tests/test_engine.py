@@ -10,6 +10,7 @@ differ only where XLA fuses the loop body differently) and greedy tokens are ide
 import dataclasses
 import functools
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ import pytest
 import jaxpaged
 from models.config import CONFIGS, EngineConfig
 from models.engine import (
+    BLOCK_LAUNCH_LEAD_S,
     LARGE_STEP_XLA_OPTIONS,
     SMALL_STEP_XLA_OPTIONS,
     Engine,
@@ -247,7 +249,7 @@ def test_a_step_that_does_not_wait_returns_while_the_block_runs():
     prompts, params = [_prompt(9, 1), _prompt(11, 2)], [SamplingParams(30), SamplingParams(5)]
     engine = _engine("xla", decode_steps=4)
     running = True
-    engine._block_ended = lambda: not running
+    engine._block_ending = lambda: not running
     first = engine.add_request(prompts[0], params[0])
     while engine._block is None:
         engine.step(wait=False)
@@ -287,7 +289,7 @@ def test_a_step_that_does_not_wait_waits_while_no_slot_can_free():
     flight, it returns at once again."""
     engine = _engine("xla", decode_steps=4)
     running = True
-    engine._block_ended = lambda: not running
+    engine._block_ending = lambda: not running
     prompts = [_prompt(5 + i, 30 + i) for i in range(4)]
     params = [SamplingParams(14 + i) for i in range(4)]
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -307,6 +309,37 @@ def test_a_step_that_does_not_wait_waits_while_no_slot_can_free():
     while engine.has_work():
         engine.step(wait=False)
     _assert_same(seqs, _generate(_engine("xla", decode_steps=4), prompts, params))
+
+
+def test_a_block_is_ending_within_the_launch_lead_of_its_expected_end():
+    """`step(wait=False)` enqueues the next block once the block in flight has run for as
+    long as the last full block took, less `BLOCK_LAUNCH_LEAD_S`; before any full block, only
+    once it has ended."""
+
+    class Running:  # the outputs of a block that has not ended
+        def is_ready(self):
+            return False
+
+    engine = _engine("xla", decode_steps=4)
+    seq = engine.add_request(_prompt(9, 1), SamplingParams(30))
+    while engine._block is None:
+        engine.step()
+    out = engine._block.out
+    engine._block = engine._block._replace(out=out._replace(steps=Running()))
+    assert engine._block_step_s is None and not engine._block_ending()
+    engine._block_step_s = 0.01  # 40 ms a block
+    engine._clock = time.perf_counter() - 0.035
+    assert not engine._block_ending()
+    engine._clock -= 0.004  # 39 ms in: within the 2 ms lead
+    assert BLOCK_LAUNCH_LEAD_S == 2e-3 and engine._block_ending()
+    engine._block = engine._block._replace(out=out)
+    assert engine._block_ending()
+    engine.step()  # reads the block: its 4 steps give the time per step
+    assert 0 < engine._block_step_s < 0.035
+    while engine.has_work():
+        engine.step(wait=False)
+    [ref] = _generate(_engine("xla", decode_steps=4), [_prompt(9, 1)], SamplingParams(30))
+    _assert_same([seq], [ref])
 
 
 def test_request_arriving_during_a_block_waits_at_most_that_block():
