@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         case = dict(kind="serving", mode=mode, interval_ms=interval_ms, requests=args.requests)
         case |= dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens)
         case |= dict(max_seqs=args.max_seqs, decode_steps=engine.config.decode_steps)
-        case |= dict(mixed_step_tokens=counts, graphs_up_to=args.graphs_up_to)
+        case |= dict(mixed_step_tokens=list(counts), graphs_up_to=args.graphs_up_to)
         timed = serve(engine, prompts, params, interval_ms / 1e3, poll=mode == "poll")
         outputs = timed.pop("outputs")
         case |= timed
