@@ -87,7 +87,9 @@ def test_serving_smoke_times_every_request(tmp_path):
     assert case["ttft_mean_ms"] <= case["ttft_max_ms"] and case["tpot_ms"] > 0
     assert 1 <= case["mean_decode_rows"] <= 4 and case["mixed_steps"] >= 8 * 40 / 64
     assert case["output_tokens_per_s"] == pytest.approx(8 * 12 / (case["wall_ms"] / 1e3))
-    sizes = types.SimpleNamespace(page_size=16, budget=64, max_seqs=4, prompt_len=40, new_tokens=12)
+    sizes = types.SimpleNamespace(
+        page_size=16, budget=64, max_seqs=4, prompt_len=40, new_tokens=12, mixed_step_tokens=None
+    )
     engine = Engine(Decoder(CONFIGS["tiny"], rngs=nnx.Rngs(0)), serving._config(sizes))
     prompts = np.random.default_rng(1).integers(0, 97, (6, 40)).tolist()
     params = SamplingParams(12)
