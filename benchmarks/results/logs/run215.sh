@@ -1,0 +1,9 @@
+#!/bin/bash
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD JAXPAGED_COMMIT=$1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
+timeout 260 python3 -m benchmarks.serving --modes poll wait --out $OUT/h200_serving.json 2>&1 | grep -v -i warn | tee $OUT/log
+(XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout 250 python3 -m pytest -q -m gpu tests/test_engine.py > $OUT/t1.log 2>&1; echo "t1 rc $?" >> $OUT/t1.log) &
+(XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout 250 python3 -m pytest -q tests/test_engine.py -k "compile_with_the_engine or smallest_size or does_not_wait" > $OUT/t2.log 2>&1; echo "t2 rc $?" >> $OUT/t2.log) &
+wait
+tail -n 4 $OUT/t1.log $OUT/t2.log | tee -a $OUT/log
