@@ -2,9 +2,11 @@
 continuous batching around them.
 
 Four jitted functions, each compiled once (all shapes come from `EngineConfig`; the block once
-per sampling case it meets: greedy, sampled, sampled with top-k / top-p filters):
-  mixed   a step of T = max_tokens_per_step tokens: prefill chunks of several sequences,
-          decodes riding along; attention by `ragged_paged_attention`.
+per sampling case it meets: greedy, sampled, sampled with top-k / top-p filters; the mixed
+step once per size):
+  mixed   a step of T tokens, the smallest of `step_token_counts` that holds its chunks (a
+          step of prompt chunks that samples nothing: the budget): prefill chunks of several
+          sequences, decodes riding along; attention by `ragged_paged_attention`.
   decode  a step of one token per sequence slot; attention by `paged_decode_attention`, or,
           where sequences share their first pages, by `shared_prefix_decode_attention`.
   block   up to `decode_steps` decode steps in one `lax.while_loop`: the block reserves its
@@ -21,11 +23,13 @@ released, and with prefix caching pages cached (`jaxpaged.retain`), evicted (`dr
 attached to admitted requests (`attach`). A step's host sync reads its sampled tokens. A
 block's sync reads its [N, S] tokens once, and while block i runs the host has already
 enqueued block i+1 from block i's device outputs, so the GPU does not wait for the host
-between blocks. A step that samples nothing (prompt chunks short of their prompts' ends) is
-read only after the next step is enqueued (where steps run in command buffers, in two copies
-that take turns: a command buffer's launch waits for its own launch in flight); each step
-checks on the device that the pool holds the cached tokens the host counted, so a step
-enqueued after one that failed writes nothing.
+between blocks (a server's loop that polls, `step(wait=False)`, has it enqueued shortly before
+block i is due to end, so that a request that arrives meanwhile waits for one block, not
+two). A step that samples nothing (prompt chunks short of their prompts' ends) is read only
+after the next step is enqueued (where steps run in command buffers, in two copies that take
+turns: a command buffer's launch waits for its own launch in flight); each step checks on the
+device that the pool holds the cached tokens the host counted, so a step enqueued after one
+that failed writes nothing.
 """
 
 from __future__ import annotations
