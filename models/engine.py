@@ -778,7 +778,9 @@ class Engine:
         self._step: _Step | None = None  # the step in flight
         self._last_read = 0.0  # perf_counter() when the host last read a step
         self._last_block_failed = False
-        self._clock = 0.0  # perf_counter() when the decode block in flight began, about
+        # perf_counter() at the last block's read, or the first block's launch: about when the
+        # block in flight began on the GPU.
+        self._clock = 0.0
         self._block_step_s = None  # seconds a step of the last full block took
         self._pool_oks: list[jax.Array] = []  # of the prefix cache's pool updates, unread
         # Pages whose release the host enqueued after the decode block in flight: held till it
