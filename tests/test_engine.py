@@ -327,15 +327,16 @@ def test_a_block_is_ending_within_the_launch_lead_of_its_expected_end():
     out = engine._block.out
     engine._block = engine._block._replace(out=out._replace(steps=Running()))
     assert engine._block_step_s is None and not engine._block_ending()
-    engine._block_step_s = 0.01  # 40 ms a block
-    engine._clock = time.perf_counter() - 0.035
+    engine._block_step_s = 1.0  # 4 s a block
+    engine._clock = time.perf_counter() - 3.0
     assert not engine._block_ending()
-    engine._clock -= 0.004  # 39 ms in: within the 2 ms lead
-    assert BLOCK_LAUNCH_LEAD_S == 2e-3 and engine._block_ending()
+    engine._clock -= 1.0 - BLOCK_LAUNCH_LEAD_S / 2  # within the lead of the 4 s
+    assert engine._block_ending()
     engine._block = engine._block._replace(out=out)
     assert engine._block_ending()
+    engine._clock = time.perf_counter()
     engine.step()  # reads the block: its 4 steps give the time per step
-    assert 0 < engine._block_step_s < 0.035
+    assert 0 < engine._block_step_s < 1.0
     while engine.has_work():
         engine.step(wait=False)
     [ref] = _generate(_engine("xla", decode_steps=4), [_prompt(9, 1)], SamplingParams(30))
