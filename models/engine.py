@@ -718,8 +718,8 @@ class Engine:
             return step_xla_options(num_tokens, decode=decode)
 
         decode_options = options(self.decode_rows, True)
-        mixed_options = options(config.max_tokens_per_step, False)
         mixed_sizes = {n: options(n, False) for n in config.step_token_counts}
+        mixed_options = mixed_sizes[config.max_tokens_per_step]  # the budget's
         # Whether a step of a kind may stay in flight while the next is enqueued: not where it
         # runs in a command buffer, whose next launch waited for it on the H200 and took
         # longer than the read it saved (benchmarks/NOTES.md, "Session 11"). Every step kind
