@@ -483,10 +483,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     decode_extra = tuple(_xla_option(text) for text in args.decode_xla_option)
     xla_options = () if args.xla_defaults else None
     if extra or decode_extra:
-        base = (lambda n, decode: ()) if args.xla_defaults else step_xla_options
+        base = (lambda n, **kind: ()) if args.xla_defaults else step_xla_options
 
-        def xla_options(num_tokens, decode):
-            return base(num_tokens, decode=decode) + extra + (decode_extra if decode else ())
+        def xla_options(num_tokens, *, decode, prompt_only):
+            kind_options = base(num_tokens, decode=decode, prompt_only=prompt_only)
+            return kind_options + extra + (decode_extra if decode else ())
 
     make = functools.partial(
         _engine, model, args.implementation, page_size=args.page_size, xla_options=xla_options

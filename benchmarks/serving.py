@@ -46,7 +46,7 @@ import jaxpaged
 from benchmarks.common import print_table, roomy_engine_config, write_results
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
-from models.engine import COMMAND_BUFFER_MAX_TOKENS, Engine, Stats, step_xla_options
+from models.engine import Engine, Stats, step_xla_options
 from models.scheduler import SamplingParams
 
 
@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--graphs-up-to",
         type=int,
-        default=COMMAND_BUFFER_MAX_TOKENS,
-        help="steps of at most this many tokens run in command buffers",
+        default=None,
+        help="steps of at most this many tokens run in command buffers (default: the engine's "
+        "rule, `step_xla_options`)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny config, small sizes")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -148,9 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model,
         _config(args),
         implementation=args.implementation,
-        xla_options=lambda n, decode: step_xla_options(
-            n, decode=decode, graphs_up_to=args.graphs_up_to
-        ),
+        xla_options=lambda n, **kind: step_xla_options(n, **kind, graphs_up_to=args.graphs_up_to),
     )
     counts = engine.config.step_token_counts
     print(f"engine built in {time.perf_counter() - start:.1f} s (mixed steps of {counts} tokens)")

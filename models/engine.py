@@ -430,6 +430,22 @@ def _set_row(out: jax.Array, index: jax.Array, row: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice(out, row[None], (index, 0))
 
 
+@jax.jit
+def block_inputs_after_step(
+    step_tokens: jax.Array, step_ok: jax.Array, inputs: BlockInputs
+) -> BlockInputs:
+    """The inputs of a decode block enqueued behind a mixed step that samples, before the host
+    has read it: row s starts from the step's sample `step_tokens[s]` (chunk s's), with the
+    budget the host gave it (its budget less that sample). A row whose sample is one of its
+    stop tokens is inactive, and so is every row where the step failed (`step_ok` False): the
+    block then runs no step and changes nothing."""
+    rows = min(step_tokens.shape[0], inputs.tokens.shape[0])
+    tokens = inputs.tokens.at[:rows].set(step_tokens[:rows])
+    stopped = is_stop(tokens, inputs.sampling.stop_ids)
+    budgets = jnp.where(step_ok & ~stopped, inputs.budgets, 0)
+    return inputs._replace(tokens=tokens, budgets=budgets)
+
+
 @functools.partial(jax.jit, donate_argnames=("kv_pages", "pool"))
 def fork_samples(
     kv_pages: KVPages, pool: jaxpaged.PagePool, src: jax.Array, dst_seq_ids: jax.Array
@@ -450,19 +466,25 @@ def fork_samples(
 BLOCK_LAUNCH_LEAD_S = 2e-3
 
 # XLA options of the engine's steps on GPUs (ignored elsewhere). A step of the ~1B decoder is
-# 300-400 kernels, and launching them one by one costs the host milliseconds. XLA's command
+# 250-400 kernels, and launching them one by one costs the host milliseconds. XLA's command
 # buffers (CUDA graphs) cut that, but the graph is updated before it is launched, so the GPU
-# waits for the host instead of starting on the first kernel. Small steps, whose kernels take
-# less time than their launches, gain (with a minimum graph size of 1: every run of compatible
-# kernels one graph); steps of more than 512 tokens lose, their kernels being long enough to
-# hide the launches. Command buffers also take while loops and conditionals (CUDA graph
-# conditional nodes), so that a decode block's loop runs with no host round trip per step, but
-# only when every command inside the loop can be recorded: XLA sorts rows of 32k logits for
-# top-k / top-p of 64 rows with CUB's radix sort, a custom call a command buffer does not take,
-# which left the whole loop to the host (one predicate read and relaunch per step); its own
-# sort kernels stay in the graph. The measurements behind these rules: benchmarks/NOTES.md,
-# "End to end", "Session 8" and "Session 10".
-COMMAND_BUFFER_MAX_TOKENS = 512
+# waits for the host instead of starting on the first kernel. Steps whose tokens the host
+# reads at once (decode, and mixed steps that sample) gain at every size measured: a sampling
+# mixed step beside 15 decode rows, from launch to read, 4.8 against 5.5 ms at 528 tokens, 6.5
+# against 6.6 at 1040, 9.0 against 9.4 at 2048 (benchmarks/NOTES.md run 220, with a minimum
+# graph size of 1: every run of compatible kernels one graph). Prompt-only steps, which stay in
+# flight while the next is launched, keep command buffers up to 512 tokens only: above that
+# their kernels are long enough to hide the launches of the next step's. Command buffers also
+# take while loops and conditionals (CUDA graph conditional nodes), so that a decode block's
+# loop runs with no host round trip per step, but only when every command inside the loop can
+# be recorded: XLA sorts rows of 32k logits for top-k / top-p of 64 rows with CUB's radix
+# sort, a custom call a command buffer does not take, which left the whole loop to the host
+# (one predicate read and relaunch per step); its own sort kernels stay in the graph. The
+# measurements behind these rules: benchmarks/NOTES.md, "End to end", "Session 8", "Session
+# 10" and "Session 42". Steps above `COMMAND_BUFFER_MAX_TOKENS` (not measured in command
+# buffers since the early engine of "End to end", where a 2048-token step lost) run op by op.
+COMMAND_BUFFER_MAX_TOKENS = 2048
+PROMPT_ONLY_COMMAND_BUFFER_MAX_TOKENS = 512
 COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 SMALL_STEP_XLA_OPTIONS = (
     ("xla_gpu_graph_min_graph_size", 1),
@@ -490,13 +512,23 @@ def uses_command_buffers(xla_options: tuple[tuple[str, object], ...]) -> bool:
 
 
 def step_xla_options(
-    num_tokens: int, *, decode: bool = False, graphs_up_to: int = COMMAND_BUFFER_MAX_TOKENS
+    num_tokens: int,
+    *,
+    decode: bool = False,
+    prompt_only: bool = False,
+    graphs_up_to: int | None = None,
 ) -> tuple[tuple[str, object], ...]:
     """The XLA options of a step or block of `num_tokens` tokens (its T); `decode`: one token
     per row (decode projections keep XLA's Triton GEMMs at every batch: with the whole block
     in one command buffer they beat cuBLAS at 16 and 64 rows, benchmarks/NOTES.md "Session
-    10"; from `EXHAUSTIVE_TILING_MIN_ROWS` rows they take the exhaustive tiling search).
-    Steps of at most `graphs_up_to` tokens run in command buffers."""
+    10"; from `EXHAUSTIVE_TILING_MIN_ROWS` rows they take the exhaustive tiling search);
+    `prompt_only`: a step that samples nothing. Steps of at most `graphs_up_to` tokens run in
+    command buffers (None: `COMMAND_BUFFER_MAX_TOKENS`, `PROMPT_ONLY_COMMAND_BUFFER_MAX_TOKENS`
+    for prompt-only steps)."""
+    if graphs_up_to is None:
+        graphs_up_to = (
+            PROMPT_ONLY_COMMAND_BUFFER_MAX_TOKENS if prompt_only else COMMAND_BUFFER_MAX_TOKENS
+        )
     if num_tokens > graphs_up_to:
         options = LARGE_STEP_XLA_OPTIONS
     else:
@@ -624,6 +656,8 @@ class Stats:
     # Host time inside the jitted calls (argument handling and launch; the GPU runs on after
     # they return), summed over all steps and blocks.
     dispatch_time: float = 0.0
+    # Blocks enqueued behind a mixed step that samples, before the host read it.
+    blocks_after_steps: int = 0
     forked_samples: int = 0
     failed_forks: int = 0
     prefix_queried_pages: int = 0
@@ -685,8 +719,8 @@ class Engine:
         overlap: bool = True,
         mesh: jax.sharding.Mesh | None = None,
     ):
-        """`xla_options`: XLA options of every step kind, or a function of a kind's
-        `(num_tokens, decode)` giving them; None: `step_xla_options`."""
+        """`xla_options`: XLA options of every step kind, or a function giving a kind's from
+        `(num_tokens, *, decode, prompt_only)`; None: `step_xla_options`."""
         # Preemption lets the oldest sequence run alone, so one sequence must fit the pool.
         if config.pages_per_seq > config.num_pages:
             raise ValueError(
@@ -708,18 +742,17 @@ class Engine:
         # this backend's options.
         foreign = mesh is not None and mesh.devices.flat[0].platform != jax.default_backend()
 
-        def options(num_tokens, decode):
+        def options(num_tokens, decode=False, prompt_only=False):
             if foreign:
                 return ()
-            if callable(xla_options):
-                return tuple(xla_options(num_tokens, decode))
-            if xla_options is not None:
+            if xla_options is not None and not callable(xla_options):
                 return tuple(xla_options)
-            return step_xla_options(num_tokens, decode=decode)
+            kind_options = step_xla_options if xla_options is None else xla_options
+            return tuple(kind_options(num_tokens, decode=decode, prompt_only=prompt_only))
 
-        decode_options = options(self.decode_rows, True)
-        mixed_sizes = {n: options(n, False) for n in config.step_token_counts}
-        mixed_options = mixed_sizes[config.max_tokens_per_step]  # the budget's
+        decode_options = options(self.decode_rows, decode=True)
+        mixed_sizes = {n: options(n) for n in config.step_token_counts}
+        prompt_options = options(config.max_tokens_per_step, prompt_only=True)
         # Whether a step of a kind may stay in flight while the next is enqueued: not where it
         # runs in a command buffer, whose next launch waited for it on the H200 and took
         # longer than the read it saved (benchmarks/NOTES.md, "Session 11"). Every step kind
@@ -728,7 +761,7 @@ class Engine:
         on_gpu = jax.default_backend() == "gpu" and not foreign
         self._may_stay = {
             kind: not (on_gpu and uses_command_buffers(opts))
-            for kind, opts in ((True, decode_options), (False, mixed_options))
+            for kind, opts in ((True, decode_options), (False, prompt_options))
         }
         self.prefix_sharing = self._prefix_sharing(model)
         # Decode steps and blocks come in two kinds: plain, and with the shared-prefix path
@@ -746,8 +779,8 @@ class Engine:
             self._block_fns[True] = block_function(self.graphdef, treedef, decode_options, sharing)
         # Mixed steps of prompt chunks that sample nothing may stay in flight (below), in a
         # kind of their own: prompt-only (no vocabulary projection, sampling or decode-token
-        # attention). Where mixed steps run in command buffers, the prompt-only kind keeps
-        # them in two copies that take turns, so that a launch never finds its own command
+        # attention). Where they run in command buffers, the prompt-only kind keeps them in
+        # two copies that take turns, so that a launch never finds its own command
         # buffer in flight: a prompt in chunks of 512 then keeps the GPU busy while the host
         # plans and launches the next chunk, one graph launch instead of ~200 kernels
         # (benchmarks/NOTES.md, "Session 22").
@@ -758,7 +791,7 @@ class Engine:
             n: step_function(self.graphdef, treedef, opts) for n, opts in mixed_sizes.items()
         }
         self._prompt_fns = tuple(
-            step_function(self.graphdef, treedef, mixed_options, prompt_only=True, copy=i)
+            step_function(self.graphdef, treedef, prompt_options, prompt_only=True, copy=i)
             for i in range(1 if self._may_stay[False] else 2)
         )
         self._prompt_steps = 0  # prompt-only steps launched, for their turns
@@ -792,7 +825,8 @@ class Engine:
         # eviction runs once op by op before it records its graph again. The first `release`,
         # when the first sequences finished, cost the decode block after it ~20 ms of host
         # time at 16 rows with the GPU idle (benchmarks/NOTES.md, runs 207-208).
-        if on_gpu and any(map(uses_command_buffers, (decode_options, *mixed_sizes.values()))):
+        kinds_options = (decode_options, prompt_options, *mixed_sizes.values())
+        if on_gpu and any(map(uses_command_buffers, kinds_options)):
             self._compile_pool_updates()
         # The mixed kind compiles at each of its sizes now too: a plan meets a size when its
         # tokens come to it, and a compile mid-generation stalls the host for seconds.
@@ -821,8 +855,8 @@ class Engine:
 
     def _compile_mixed_steps(self) -> None:
         """Compile the mixed kind at each of its sizes by running it on a plan of no chunks,
-        which changes nothing (its tokens are padding: no slot, no page). The constructor
-        calls this on a GPU."""
+        which changes nothing (its tokens are padding: no slot, no page), and
+        `block_inputs_after_step` on its outputs. The constructor calls this on a GPU."""
         empty = Plan([])
         for num_tokens, fn in self._mixed_fns.items():
             with self._calling():
@@ -836,6 +870,9 @@ class Engine:
                     implementation=self.implementation,
                 )
             out.ok.block_until_ready()
+        if self.config.decode_steps is not None:  # and the inputs of a block behind one
+            with self._calling():
+                block_inputs_after_step(out.tokens, out.ok, self._block_inputs([]))
 
     def _prefix_sharing(self, model: Decoder) -> PrefixSharing | None:
         """The decode steps' `PrefixSharing`. None (plain decode, and no shared-prefix path
@@ -956,7 +993,10 @@ class Engine:
         """Run one step, or enqueue or finish a decode block; returns the sequences it finished.
 
         Decode-only plans run as blocks of up to `config.decode_steps` steps, unless
-        `decode_steps` is None or `record_prompt_logits` asks for every step's logits.
+        `decode_steps` is None or `record_prompt_logits` asks for every step's logits. A
+        mixed step that samples, after which every running sequence decodes and no request
+        can start, has the first block enqueued behind it before the host reads it
+        (`_block_may_follow`); the call that reads the step returns with that block in flight.
 
         `wait=False` is for a server's loop that adds requests as they arrive: while the
         decode block in flight runs and a slot may come free by its end, the call returns []
@@ -1031,6 +1071,8 @@ class Engine:
                 implementation=self.implementation,
             )
         self.stats.dispatch_time += time.perf_counter() - start
+        if not stays and not record_prompt_logits and self._block_may_follow(plan):
+            self._launch_block_after(plan, out)
         # A step in flight has its chunks counted as cached; the step before it is read now,
         # while it runs.
         previous, self._step = self._step, None
@@ -1054,8 +1096,11 @@ class Engine:
         self._check_pool_updates()
         now = time.perf_counter()
         elapsed, self._last_read = now - max(start, self._last_read), now
+        if self._block is not None:
+            self._clock = now  # the block behind the step begins about now
         self.stats.steps += 1
         if not ok:
+            self._drop_block_after_failure()
             self.stats.failed_steps += 1
             if not failed_before:  # else that failure preempted already
                 self.scheduler.on_failed_step()
@@ -1073,8 +1118,55 @@ class Engine:
         self._count_peak()
         self._retain_pending()
         self._fork_pending()
+        # A block enqueued behind the step runs before these releases (of rows that sampled a
+        # stop token, inactive in it).
+        if self._block is not None:
+            self._released_after_block = self.scheduler.releasing_pages
         self._release_pending()
         return finished
+
+    def _block_may_follow(self, plan: Plan) -> bool:
+        """Whether a decode block may be enqueued behind the mixed step of `plan` that samples,
+        before the host reads it, so that the GPU does not idle through the host's read, plan
+        and launch between them: blocks are on, and after the step every running sequence
+        decodes (each has a chunk that samples, and no sample is forked from it), no request
+        can start (every slot taken, and no row's budget ends with the step: only a stop token
+        frees a slot, as in a block enqueued behind a block), and the pool holds a block's
+        growth of every row beside what the step leaves."""
+        config, scheduler = self.config, self.scheduler
+        if not self.overlap or config.decode_steps is None or plan.forks or scheduler.free_slots:
+            return False
+        chunks = plan.chunks
+        if len(chunks) != len(scheduler.running) or not all(c.samples for c in chunks):
+            return False
+        if any(c.seq.params.max_new_tokens - len(c.seq.output) <= 1 for c in chunks):
+            return False
+
+        def pages(n):
+            return -(-n // config.page_size)
+
+        ends = [c.start + c.length for c in chunks]
+        grown = sum(pages(end) - pages(c.start) for c, end in zip(chunks, ends, strict=True))
+        block = sum(pages(end + config.decode_steps) - pages(end) for end in ends)
+        return block <= config.num_pages - scheduler.num_held_pages() - grown
+
+    def _launch_block_after(self, plan: Plan, out: StepOutputs) -> None:
+        """Enqueue a decode block behind the mixed step of `plan` (`_block_may_follow`), its
+        rows' tokens the step's samples on the device (`block_inputs_after_step`)."""
+        rows = [c.seq for c in plan.chunks]
+        inputs = self._block_inputs(rows)
+        inputs.budgets[: len(rows)] -= 1  # the step's sample
+        with self._calling():
+            inputs = block_inputs_after_step(out.tokens, out.ok, inputs)
+        self._block = _Block(rows, self._launch_block(inputs, rows))
+        self.stats.blocks_after_steps += 1
+
+    def _drop_block_after_failure(self) -> None:
+        """Drop the block enqueued behind a step that failed: its rows were inactive
+        (`block_inputs_after_step`), so it ran no step and changed nothing."""
+        block, self._block = self._block, None
+        if block is not None and jax.device_get(block.out.steps) != 0:
+            raise RuntimeError("a decode block behind a failed step ran")
 
     def sync(self) -> list[Sequence]:
         """Finish the decode block or step in flight, if any, enqueueing none after it; returns

@@ -35,7 +35,7 @@ def main():
         budget=budget,
         max_len=max_len,
         page_size=16,
-        xla_options=lambda n, decode: step_xla_options(n, decode=decode) + extra,
+        xla_options=lambda n, **kind: step_xla_options(n, **kind) + extra,
     )
     prompts = np.random.default_rng(0).integers(0, 32_000, (args.batch, 16)).tolist()
     start = time.perf_counter()

@@ -3,8 +3,9 @@
 Session 41 found the serving admissions' mixed steps (a prompt chunk beside the running rows'
 decode tokens, read at once) at 6.0-8.1 ms from launch to read where their GPU work is ~3 ms,
 and 5.9-6.2 ms with every size in command buffers (run 216, one size in another process).
-`COMMAND_BUFFER_MAX_TOKENS` (512) was measured on prompt chunks that overlap the host's
-launch with the step before them. This times the same admission, one engine per
+The engine's rule then, command buffers up to 512 tokens, was measured on prompt chunks that
+overlap the host's launch with the step before them (run 220 measured this probe and moved
+the rule for steps that sample to 2048 tokens). This times the same admission, one engine per
 `--graphs-up-to`, in one process: `--running` rows decode at about `--ctx` tokens, and a
 request of (size - max_seqs) prompt tokens arrives and is read after its first token, at each
 of the engine's `EngineConfig.step_token_counts`. The engines take turns, rep by rep, so that
@@ -80,9 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
         engines[graphs] = engine = Engine(
             model,
             config,
-            xla_options=lambda n, decode, g=graphs: step_xla_options(
-                n, decode=decode, graphs_up_to=g
-            ),
+            xla_options=lambda n, g=graphs, **kind: step_xla_options(n, **kind, graphs_up_to=g),
         )
         print(f"graphs up to {graphs}: built in {time.perf_counter() - start:.1f} s", flush=True)
         for _ in range(args.running):

@@ -25,6 +25,7 @@ from models.engine import (
     SMALL_STEP_XLA_OPTIONS,
     Engine,
     _decode_metadata,
+    block_inputs_after_step,
     block_steps,
     fork_samples,
     step_function,
@@ -141,6 +142,100 @@ def test_stop_token_ends_its_row_at_that_token(backend):
         assert i % 2 or stops  # the even rows' stop token is in their continuation
     per_step = _generate(_engine(backend, decode_steps=None), PROMPTS, params)
     _assert_same(seqs, per_step)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_block_follows_a_step_that_samples_before_the_host_reads_it(backend, sampled):
+    """The step that completes the last prompt (beside the other rows' decode tokens) takes
+    every slot: the first decode block is enqueued behind it, its rows' tokens the step's
+    samples on the device. Tokens and log-probabilities are the per-step engine's. With a slot
+    free (a request could start) or without overlap, no block is enqueued so."""
+    require(backend)
+    params = SAMPLED if sampled else GREEDY
+    engine = _engine(backend, decode_steps=8)
+    seqs = _generate(engine, PROMPTS, params)
+    assert engine.stats.blocks_after_steps == 1
+    _assert_same(seqs, _reference(backend, sampled))
+    _check_pool(engine)
+    for changes in (dict(max_seqs=5), dict(overlap=False)):
+        engine = _engine(backend, decode_steps=8, **changes)
+        _assert_same(_generate(engine, PROMPTS, params), _reference(backend, sampled))
+        assert engine.stats.blocks_after_steps == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stop_token_sampled_by_the_step_before_the_block_ends_its_row(backend):
+    """Rows that sample a stop token in the step a block is enqueued behind (a decode row's
+    token, and a prompt's first token) end at it: they are inactive in the block, whose other
+    rows run on as they would alone, and their slots are released after it."""
+    require(backend)
+    refs = _reference(backend, False)
+    # The step that completes prompt 3 samples row 0's second token and row 3's first.
+    params = list(GREEDY)
+    params[0] = dataclasses.replace(params[0], stop_token_ids=(refs[0].output[1],))
+    params[3] = dataclasses.replace(params[3], stop_token_ids=(refs[3].output[0],))
+    engine = _engine(backend, decode_steps=8)
+    seqs = _generate(engine, PROMPTS, params)
+    assert engine.stats.blocks_after_steps == 1
+    for seq, ref, p in zip(seqs, refs, params, strict=True):
+        stops = [j for j, t in enumerate(ref.output) if t in p.stop_token_ids]
+        assert seq.output == ref.output[: stops[0] + 1 if stops else None]
+    assert [s.finish_reason for s in seqs] == ["stop", "length", "length", "stop"]
+    assert len(seqs[0].output) <= 2 and len(seqs[3].output) == 1
+    assert np.asarray(engine.pool.free).all()
+
+
+def test_a_block_behind_a_failed_step_runs_no_step():
+    """`block_inputs_after_step`: rows start from the step's samples; a row whose sample is a
+    stop token is inactive, and every row is where the step failed, so that the block enqueued
+    behind it runs no step and changes no page and no slot."""
+    engine = _engine("xla", decode_steps=4)
+    seqs = [engine.add_request(_prompt(n, n), SamplingParams(9)) for n in (7, 12)]
+    while not all(s.output for s in seqs):
+        engine.step()
+    engine.sync()
+    inputs = engine._block_inputs(seqs)
+    samples = jnp.array([11, 23, 5, 6], jnp.int32)
+    stop_ids = inputs.sampling.stop_ids.copy()
+    stop_ids[1, 0] = 23
+    inputs = inputs._replace(sampling=inputs.sampling._replace(stop_ids=stop_ids))
+    ran = block_inputs_after_step(samples, jnp.bool_(True), inputs)
+    np.testing.assert_array_equal(ran.tokens[:2], [11, 23])
+    np.testing.assert_array_equal(ran.budgets, [8, 0, 0, 0])
+    failed = block_inputs_after_step(samples, jnp.bool_(False), inputs)
+    np.testing.assert_array_equal(failed.budgets, 0)
+    before = jax.device_get((engine.kv_pages, engine.pool))
+    engine.kv_pages, engine.pool, out = engine.block_fn(
+        engine.param_leaves,
+        engine.kv_pages,
+        engine.pool,
+        failed,
+        num_steps=4,
+        implementation="xla",
+        sampling_case=0,
+    )
+    assert int(out.steps) == 0 and bool(out.ok)
+    np.testing.assert_array_equal(out.counts, 0)
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.device_get((engine.kv_pages, engine.pool)), before
+    )
+
+
+def test_a_block_follows_a_step_only_where_the_pool_holds_its_growth():
+    """The block behind a step reserves a block's tokens for every row beside what the step
+    leaves; where the pool cannot hold them, none is enqueued so (the release of rows that
+    finish in the step would come after it)."""
+    lengths, steps = (16, 32, 12, 3), 8  # 63 tokens: one step of the budget of 64
+    held = sum(-(-n // PAGE) for n in lengths)
+    growth = sum(-(-(n + steps) // PAGE) - -(-n // PAGE) for n in lengths)
+    for num_pages, follows in ((held + growth, True), (held + growth - 1, False)):
+        engine = _engine("xla", decode_steps=steps, num_pages=num_pages, max_model_len=48)
+        for n in lengths:
+            engine.add_request(_prompt(n, n), SamplingParams(4))
+        plan = engine.scheduler.schedule()
+        assert len(plan.chunks) == 4 and all(c.samples for c in plan.chunks)
+        assert engine._block_may_follow(plan) == follows
 
 
 def test_block_steps_is_the_most_steps_the_free_pages_and_capacities_hold():
@@ -443,6 +538,8 @@ def test_soak_random_requests_each_equal_to_running_alone():
                 seqs[i] = engine.add_request(prompts[i], params[i])
         engine.step()
     assert engine.scheduler.num_preemptions > 0 and engine.stats.cut_blocks > 0
+    # The tight pool leaves a block behind a step little room, but the path runs here too.
+    assert engine.stats.blocks_after_steps > 0
     assert sum(s.finish_reason == "stop" for s in seqs.values()) > 20
     assert engine.stats.forked_samples > 100 and engine.stats.failed_forks == 0
     for i, seq in seqs.items():
@@ -557,7 +654,8 @@ def test_mixed_steps_compile_with_the_engine_and_change_nothing():
     """On a GPU the constructor runs the mixed kind once at each of its sizes
     (`_compile_mixed_steps`): a plan would otherwise compile a size when its tokens first come
     to it, seconds of stall mid-generation. Run on a plan of no chunks, it changes no page
-    and no slot; a generation then compiles no mixed step."""
+    and no slot; a generation then compiles no mixed step, nor the inputs of a block behind
+    one."""
     engine = _engine("xla", max_tokens_per_step=48, mixed_step_tokens=(9, 20), decode_steps=4)
     engine.add_request(_prompt(60, 5), SamplingParams(3))
     engine.step()  # a sequence's pages and slot to keep: its first 48 tokens, sampling nothing
@@ -571,7 +669,8 @@ def test_mixed_steps_compile_with_the_engine_and_change_nothing():
     )
     with count_compilations() as compiles:
         _generate(engine, [_prompt(n, 910 + n) for n in (2, 5, 19, 40)], SamplingParams(3))
-    assert "jit(step)" not in compiles, compiles
+    assert engine.stats.blocks_after_steps > 0
+    assert not {"jit(step)", "jit(block_inputs_after_step)"} & set(compiles), compiles
 
 
 # Requests of n samples: a prompt whose last page is partly filled (its copy per sample), one
@@ -829,7 +928,9 @@ def test_samples_that_finish_with_their_first_token_are_not_forked():
 
 def test_fork_updates_pages_and_pool_in_place_and_compiles_once():
     engine = _engine("xla", decode_steps=4)
-    _generate(engine, [_prompt(20, 1)], SamplingParams(3, n=2))  # warm-up: a fork
+    # Warm-up: a fork, and a block that samples with a temperature (its own compile).
+    _generate(engine, [_prompt(20, 1)], SamplingParams(3, n=2))
+    _generate(engine, [_prompt(20, 2)], SamplingParams(3, 0.5))
     compiled = fork_samples.lower(
         engine.kv_pages, engine.pool, np.int32(0), np.full(CONFIG.max_seqs, -1, np.int32)
     ).compile()

@@ -511,16 +511,24 @@ def test_demo_prints_json(capsys):
 
 def test_small_steps_get_command_buffers_and_large_ones_do_not():
     """The XLA options rule of `step_xla_options` (measured in benchmarks/NOTES.md), and
-    the engine's two step kinds compiled by it: decode steps (max_seqs tokens) and mixed steps
-    (max_tokens_per_step) each by their own token count."""
-    assert step_xla_options(1) == step_xla_options(512) == SMALL_STEP_XLA_OPTIONS
-    assert step_xla_options(513) == step_xla_options(4096) == LARGE_STEP_XLA_OPTIONS
+    the engine's step kinds compiled by it: decode steps (max_seqs tokens), mixed steps that
+    sample (each of `step_token_counts`) and prompt-only steps (max_tokens_per_step) each by
+    their own token count and kind."""
+    # Steps read at once: command buffers up to 2048 tokens (run 220), op by op above.
+    assert step_xla_options(1) == step_xla_options(2048) == SMALL_STEP_XLA_OPTIONS
+    assert step_xla_options(2049) == step_xla_options(4096) == LARGE_STEP_XLA_OPTIONS
+    # Prompt-only steps, which stay in flight: up to 512 tokens.
+    assert step_xla_options(512, prompt_only=True) == SMALL_STEP_XLA_OPTIONS
+    assert step_xla_options(513, prompt_only=True) == LARGE_STEP_XLA_OPTIONS
+    assert step_xla_options(513, graphs_up_to=512) == LARGE_STEP_XLA_OPTIONS
+    assert step_xla_options(4096, prompt_only=True, graphs_up_to=4096) == SMALL_STEP_XLA_OPTIONS
     assert step_xla_options(8, decode=True) == step_xla_options(8) == SMALL_STEP_XLA_OPTIONS
     # Decode from 16 rows adds the exhaustive GEMM tiling search (runs 192-193), nothing else.
     assert step_xla_options(15, decode=True) == SMALL_STEP_XLA_OPTIONS
     assert step_xla_options(16, decode=True) == SMALL_STEP_XLA_OPTIONS + EXHAUSTIVE_TILING
     assert step_xla_options(16) == SMALL_STEP_XLA_OPTIONS
-    assert step_xla_options(600, decode=True) == LARGE_STEP_XLA_OPTIONS + EXHAUSTIVE_TILING
+    assert step_xla_options(600, decode=True) == SMALL_STEP_XLA_OPTIONS + EXHAUSTIVE_TILING
+    assert step_xla_options(3000, decode=True) == LARGE_STEP_XLA_OPTIONS + EXHAUSTIVE_TILING
     decode = dict(step_xla_options(64, decode=True))
     assert decode["xla_gpu_exhaustive_tiling_search"] is True
     assert "WHILE" in decode["xla_gpu_enable_command_buffer"]
@@ -529,8 +537,13 @@ def test_small_steps_get_command_buffers_and_large_ones_do_not():
     engine = _engine("xla")
     treedef = jax.tree.structure(engine.params)
     small = step_function(engine.graphdef, treedef, SMALL_STEP_XLA_OPTIONS)
-    large = step_function(engine.graphdef, treedef, LARGE_STEP_XLA_OPTIONS)
-    assert engine.step_fn(True) is small
-    assert engine.step_fn(False) is (small if engine.config.max_tokens_per_step <= 512 else large)
+    assert engine.config.max_tokens_per_step <= 512
+    assert engine.step_fn(True) is engine.step_fn(False) is small
+    # A budget of 600: the mixed step that samples in command buffers at both its sizes (344
+    # and 600), the prompt-only step op by op (one copy).
     big = _engine("xla", max_tokens_per_step=600)
-    assert big.step_fn(False) is step_function(big.graphdef, treedef, LARGE_STEP_XLA_OPTIONS)
+    assert big.config.step_token_counts == (300 + big.config.max_seqs, 600)
+    for n in big.config.step_token_counts:
+        assert big.step_fn(False, num_tokens=n) is small
+    large = step_function(big.graphdef, treedef, LARGE_STEP_XLA_OPTIONS, prompt_only=True, copy=0)
+    assert big.step_fn(False, in_flight=True) is large and len(big._prompt_fns) == 1
