@@ -25,7 +25,8 @@ flight enqueues the next one and waits for the first):
 - `mean_decode_rows`: the rows of a block's decode steps, on average; `block_ms`: the mean
   time from a block's launch to its read; `mixed_step_ms`: the same for the mixed steps (the
   prompts' chunks with the running rows' decode tokens), from the later of its launch and the
-  read before it.
+  read before it; `blocks_after_steps`: the blocks enqueued behind a mixed step before its
+  read (`Engine._block_may_follow`).
 
 The same engine serves an untimed stream of the same kind twice first: every call kind
 compiles, and a compile evicts every other executable's CUDA graphs (benchmarks/NOTES.md runs
@@ -106,6 +107,7 @@ def serve(
         blocks=stats.blocks,
         mixed_steps=stats.prefill_steps,
         mixed_step_ms=1e3 * stats.prefill_time / max(stats.prefill_steps, 1),
+        blocks_after_steps=stats.blocks_after_steps,
         outputs=[s.output for s in seqs],
     )
 
