@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -741,6 +742,15 @@ class Engine:
         # A mesh of another platform's devices (host devices on a GPU machine) takes none of
         # this backend's options.
         foreign = mesh is not None and mesh.devices.flat[0].platform != jax.default_backend()
+
+        if callable(xla_options):
+            try:
+                inspect.signature(xla_options).bind(0, decode=False, prompt_only=False)
+            except TypeError as e:
+                raise TypeError(
+                    "xla_options: a function of a step kind must take "
+                    "(num_tokens, *, decode, prompt_only), as step_xla_options does"
+                ) from e
 
         def options(num_tokens, decode=False, prompt_only=False):
             if foreign:

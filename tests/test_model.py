@@ -547,3 +547,11 @@ def test_small_steps_get_command_buffers_and_large_ones_do_not():
         assert big.step_fn(False, num_tokens=n) is small
     large = step_function(big.graphdef, treedef, LARGE_STEP_XLA_OPTIONS, prompt_only=True, copy=0)
     assert big.step_fn(False, in_flight=True) is large and len(big._prompt_fns) == 1
+    # A function of a step kind takes the kind's keywords; one that cannot is refused.
+    config = dataclasses.replace(BASE, max_tokens_per_step=600)
+    with pytest.raises(TypeError, match=r"xla_options: .*\(num_tokens, \*, decode, prompt_only\)"):
+        Engine(_model(jnp.float32), config, xla_options=lambda num_tokens, decode: ())
+    kinds = []
+    Engine(_model(jnp.float32), config, xla_options=lambda n, **kind: kinds.append((n, kind)) or ())
+    assert (600, dict(decode=False, prompt_only=True)) in kinds
+    assert (600, dict(decode=False, prompt_only=False)) in kinds
