@@ -1151,14 +1151,7 @@ class Engine:
             return False
         if any(c.seq.params.max_new_tokens - len(c.seq.output) <= 1 for c in chunks):
             return False
-
-        def pages(n):
-            return -(-n // config.page_size)
-
-        ends = [c.start + c.length for c in chunks]
-        grown = sum(pages(end) - pages(c.start) for c, end in zip(chunks, ends, strict=True))
-        block = sum(pages(end + config.decode_steps) - pages(end) for end in ends)
-        return block <= config.num_pages - scheduler.num_held_pages() - grown
+        return scheduler.holds_growth(plan, config.decode_steps)
 
     def _launch_block_after(self, plan: Plan, out: StepOutputs) -> None:
         """Enqueue a decode block behind the mixed step of `plan` (`_block_may_follow`), its

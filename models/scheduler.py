@@ -264,6 +264,16 @@ class Scheduler:
         held -= sum(g.pages * (g.holders - 1) for g in groups.values())
         return held + (self.cache.num_pages if self.cache is not None else 0)
 
+    def holds_growth(self, plan: Plan, tokens: int) -> bool:
+        """Whether the pool holds `tokens` more tokens of every chunk's sequence beside the
+        pages the step of `plan` takes (a decode block enqueued behind that step, before the
+        host has counted it)."""
+        pages = self._pages
+        step = sum(pages(c.start + c.length) - pages(c.start) for c in plan.chunks)
+        ends = [c.start + c.length for c in plan.chunks]
+        growth = sum(pages(end + tokens) - pages(end) for end in ends)
+        return growth <= self.num_pages - self.num_held_pages() - step
+
     def _need(self, seq: Sequence, start: int, n: int) -> int:
         """The free pages that caching tokens `start:start + n` of `seq` takes, with the copies
         of its prompt's partly filled last page when that completes the prompt of an n-sample
