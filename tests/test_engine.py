@@ -238,6 +238,23 @@ def test_a_block_follows_a_step_only_where_the_pool_holds_its_growth():
         assert engine._block_may_follow(plan) == follows
 
 
+@pytest.mark.parametrize(
+    ("last", "follows"),
+    [(SamplingParams(4), True), (SamplingParams(1), False), (SamplingParams(4, n=2), False)],
+)
+def test_no_block_follows_a_step_that_ends_a_row_or_forks(last, follows):
+    """No block is enqueued behind a step whose last admission ends with its first token (its
+    slot comes free: a request could start) or is forked after it (its samples start after
+    the step)."""
+    engine = _engine("xla", decode_steps=8, max_seqs=4 + (last.n - 1))
+    for n in (16, 20, 12):
+        engine.add_request(_prompt(n, n), SamplingParams(4))
+    engine.add_request(_prompt(9, 9), last)
+    plan = engine.scheduler.schedule()
+    assert len(plan.chunks) == 4 and not engine.scheduler.free_slots
+    assert engine._block_may_follow(plan) == follows
+
+
 def test_block_steps_is_the_most_steps_the_free_pages_and_capacities_hold():
     pool = jaxpaged.create_pool(6, 4, 4, 4)  # 6 pages of 4 tokens, 16 tokens a slot
     pool, ok = jaxpaged.reserve(pool, jnp.array([0, 1]), jnp.array([3, 8]))  # 3 pages, 3 free
