@@ -1149,7 +1149,7 @@ class Engine:
         chunks = plan.chunks
         if len(chunks) != len(scheduler.running) or not all(c.samples for c in chunks):
             return False
-        if any(c.seq.params.max_new_tokens - len(c.seq.output) <= 1 for c in chunks):
+        if any(c.seq.tokens_left <= 1 for c in chunks):
             return False
         return scheduler.holds_growth(plan, config.decode_steps)
 
@@ -1246,7 +1246,7 @@ class Engine:
         it)."""
         steps = self.config.decode_steps
         return bool(self.scheduler.free_slots) or any(
-            s.finished or s.params.max_new_tokens - len(s.output) <= steps for s in self._block.rows
+            s.finished or s.tokens_left <= steps for s in self._block.rows
         )
 
     def _next_block(self) -> list[Sequence]:
@@ -1254,10 +1254,7 @@ class Engine:
         in flight."""
         block, self._block = self._block, None
         num_steps = self.config.decode_steps
-        may_run = any(
-            not s.finished and s.params.max_new_tokens - len(s.output) > num_steps
-            for s in block.rows
-        )
+        may_run = any(not s.finished and s.tokens_left > num_steps for s in block.rows)
         # A waiting request that a slot could take is admitted after this block, in a mixed step.
         admits = self.scheduler.waiting and self.scheduler.free_slots
         if self.overlap and may_run and not admits and not self._last_block_failed:
@@ -1342,7 +1339,7 @@ class Engine:
         budgets = np.zeros(num_rows, np.int32)
         for i, seq in enumerate(rows):
             tokens[i], seq_ids[i] = seq.tokens[-1], seq.slot
-            budgets[i] = seq.params.max_new_tokens - len(seq.output)
+            budgets[i] = seq.tokens_left
         return BlockInputs(tokens, seq_ids, budgets, self._sampling(rows, num_rows))
 
     def _num_tokens(self, plan: Plan, decode: bool, prompt_only: bool) -> int:

@@ -124,6 +124,11 @@ class Sequence:
         return self.tokens[self.prompt_len :]
 
     @property
+    def tokens_left(self) -> int:
+        """The tokens it may still generate (`max_new_tokens` less its output)."""
+        return self.params.max_new_tokens - len(self.output)
+
+    @property
     def finish_reason(self) -> str | None:
         """ "stop" once it generated a stop token, "length" at max_new_tokens, else None."""
         generated = len(self.tokens) - self.prompt_len
