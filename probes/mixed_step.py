@@ -55,6 +55,19 @@ def _admit(engine: Engine, prompt: list[int], profile: bool = False) -> tuple[fl
     return stats.prefill_time - elapsed, stats.dispatch_time - dispatch, *gpu
 
 
+def _traced_admission(engine: Engine, prompt: list[int]) -> dict:
+    """One admission (`_admit`) under `jax.profiler`: the step call's duration and the host
+    events inside it, summed by name (`probes.host_trace._inside`)."""
+    from probes.host_trace import _traced  # noqa: PLC0415 - imports the profiler's reader
+
+    _, lines = _traced(lambda: _admit(engine, prompt), "PjitFunction(step)")
+    hosts = [line for line in lines.values() if "calls" in line]
+    return dict(
+        traced_calls_ms=[call[1] for host in hosts for call in host["calls"]],
+        inside_call=[host["inside_calls"][0][:25] for host in hosts],
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="1b")
@@ -65,6 +78,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=12)
     parser.add_argument("--profile", action="store_true", help="then one CUPTI pass a case")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="then one admission a case under jax.profiler: the host's events inside the "
+        "step's call, summed by name (`probes.host_trace`; set XLA_FLAGS="
+        "--xla_enable_command_buffers_during_profiling=true to keep command buffers)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -112,6 +132,12 @@ def main(argv: list[str] | None = None) -> dict:
             for size in sizes:
                 engine.step()
                 gpu[graphs, size] = _admit(engine, admission(size), profile=True)[2:]
+    traces = {}
+    if args.trace:  # a trace slows its process afterwards: last of all
+        for graphs, engine in engines.items():
+            for size in sizes:
+                engine.step()
+                traces[graphs, size] = _traced_admission(engine, admission(size))
     cases = []
     for (graphs, size), pairs in times.items():
         wall, dispatch = 1e3 * np.array(pairs).T
@@ -124,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
         if (graphs, size) in gpu:
             case |= dict(gpu_ms=gpu[graphs, size][0], kernels=gpu[graphs, size][1])
+        if (graphs, size) in traces:
+            case |= traces[graphs, size]
         cases.append(case)
         print(json.dumps(case), flush=True)
     result = dict(environment(), probe="mixed_step", config=args.config, cases=cases)

@@ -24,6 +24,8 @@ from models.engine import (
     LARGE_STEP_XLA_OPTIONS,
     SMALL_STEP_XLA_OPTIONS,
     Engine,
+    PackedInputs,
+    StepInputs,
     _decode_metadata,
     block_inputs_after_step,
     block_steps,
@@ -32,6 +34,7 @@ from models.engine import (
     uses_command_buffers,
 )
 from models.prefix_cache import page_keys
+from models.sampling import SamplingArrays
 from models.scheduler import SamplingParams
 from tests.helpers import backend_params, count_compilations, require
 from tests.test_model import PAGE, _cached_kv, _check_pool, _model
@@ -499,6 +502,45 @@ def test_block_decode_metadata_equals_the_ragged_build(step, mask_pages):
     assert got.decode and (np.asarray(got.kv_slots)[np.asarray(active)] >= 0).all()
 
 
+def test_packed_inputs_restore_every_leaf_bit_for_bit_inside_jit():
+    """A step's host inputs reach the jitted call as one i32 array (`PackedInputs`), and
+    `unpack` gives back each leaf's shape, dtype and bits: floats and u32 seeds above 2**31
+    included. Calls of one layout share a compile; a leaf that is not 4 bytes is refused."""
+    rng = np.random.default_rng(0)
+
+    def inputs(num_tokens, rows=4):
+        return StepInputs(
+            rng.integers(0, 1000, num_tokens, dtype=np.int32),
+            rng.integers(-1, rows, rows, dtype=np.int32),
+            np.sort(rng.integers(0, num_tokens, rows + 1, dtype=np.int32)),
+            np.int32(rng.integers(1, rows)),
+            rng.integers(0, rows, rows, dtype=np.int32),
+            SamplingArrays(
+                rng.uniform(0.1, 2.0, rows).astype(np.float32),
+                rng.integers(0, 50, rows, dtype=np.int32),
+                rng.uniform(0.1, 1.0, rows).astype(np.float32),
+                rng.integers(2**31, 2**32, rows, dtype=np.uint32),
+                rng.integers(-1, 1000, (rows, 3), dtype=np.int32),
+            ),
+            rng.integers(0, 100, rows, dtype=np.int32),
+        )
+
+    unpack = jax.jit(PackedInputs.unpack)
+    for num_tokens in (8, 8, 16):
+        host = inputs(num_tokens)
+        packed = PackedInputs.pack(host)
+        size = sum(np.size(x) for x in jax.tree.leaves(host))  # 46 beside the tokens
+        assert [x.shape for x in jax.tree.leaves(packed)] == [(size,)] and size == num_tokens + 46
+        restored = unpack(packed)
+        assert jax.tree.structure(restored) == jax.tree.structure(host)
+        for want, got in zip(jax.tree.leaves(host), jax.tree.leaves(restored), strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(np.asarray(got), want)
+    assert unpack._cache_size() == 2  # one per layout: 8 and 16 tokens
+    with pytest.raises(TypeError, match="4-byte dtypes"):
+        PackedInputs.pack((np.zeros(3, np.int32), np.zeros(3, np.bool_)))
+
+
 def test_block_updates_pages_and_pool_in_place_and_compiles_once():
     """Once per sampling case: after a greedy and a sampled warm-up, nothing compiles."""
     engine = _engine("xla", decode_steps=4)
@@ -652,7 +694,7 @@ def test_mixed_steps_run_at_the_smallest_size_that_holds_their_chunks():
 
     def recorded(kind, fn):
         def call(*args, **kwargs):
-            inputs = args[3]
+            inputs = args[3].unpack()  # the `StepInputs` of the call
             calls.append((kind, inputs.tokens.shape[0], int(inputs.cu_q_lens[-1])))
             return fn(*args, **kwargs)
 
