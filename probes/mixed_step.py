@@ -62,9 +62,22 @@ def _traced_admission(engine: Engine, prompt: list[int]) -> dict:
 
     _, lines = _traced(lambda: _admit(engine, prompt), "PjitFunction(step)")
     hosts = [line for line in lines.values() if "calls" in line]
+    starts = [host["first_ns"] + 1e6 * call[0] for host in hosts for call in host["calls"]]
+    gpu = {  # each GPU line's kernels: from the call's start (ms), busy time and the gaps
+        name: dict(
+            first_ms=(line["first_ns"] - min(starts)) / 1e6 if starts else None,
+            span_ms=line["span_ms"],
+            busy_ms=line["busy_ms"],
+            gap_ms=line["gap_ms"],
+            largest_gaps_us_at_ms=line["largest_gaps_us_at_ms"][:6],
+        )
+        for name, line in lines.items()
+        if "gap_ms" in line
+    }
     return dict(
         traced_calls_ms=[call[1] for host in hosts for call in host["calls"]],
         inside_call=[host["inside_calls"][0][:25] for host in hosts],
+        gpu_lines=gpu,
     )
 
 
