@@ -21,9 +21,12 @@ median and spread over `--reps`; with `--profile`, then one more admission a cas
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import tempfile
 import time
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -55,12 +58,44 @@ def _admit(engine: Engine, prompt: list[int], profile: bool = False) -> tuple[fl
     return stats.prefill_time - elapsed, stats.dispatch_time - dispatch, *gpu
 
 
+def _after_call(path: str, call_name: str) -> dict:
+    """From the trace at `path`: per line, the events that start after the first `call_name`
+    call ends, as [name, start ms from the call's start, ms], the 20 longest (host lines) or
+    the last 12 (GPU lines)."""
+    from jax._src.lib import _profile_data  # noqa: PLC0415 - private: reads the XSpace
+
+    planes = list(_profile_data.ProfileData.from_file(path).planes)
+    calls = [e for p in planes for line in p.lines for e in line.events if e.name == call_name]
+    if not calls:
+        return {}
+    call = min(calls, key=lambda e: e.start_ns)
+    end = call.start_ns + call.duration_ns
+    out = {}
+    for plane in planes:
+        for line in plane.lines:
+            events = [e for e in line.events if e.start_ns >= end and not e.name.startswith("$")]
+            if not events:
+                continue
+            gpu = "/device:GPU" in plane.name
+            events.sort(key=(lambda e: e.start_ns) if gpu else (lambda e: -e.duration_ns))
+            out[f"{plane.name} | {line.name}"] = [
+                [e.name[:60], round((e.start_ns - call.start_ns) / 1e6, 4), e.duration_ns / 1e6]
+                for e in (events[-12:] if gpu else events[:20])
+            ]
+    return out
+
+
 def _traced_admission(engine: Engine, prompt: list[int]) -> dict:
     """One admission (`_admit`) under `jax.profiler`: the step call's duration and the host
     events inside it, summed by name (`probes.host_trace._inside`)."""
-    from probes.host_trace import _traced  # noqa: PLC0415 - imports the profiler's reader
+    from probes.host_trace import _lines  # noqa: PLC0415 - imports the profiler's reader
 
-    _, lines = _traced(lambda: _admit(engine, prompt), "PjitFunction(step)")
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            step_s = _admit(engine, prompt)[0]
+        [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        lines = _lines(path, "PjitFunction(step)")
+        after = _after_call(path, "PjitFunction(step)")
     hosts = [line for line in lines.values() if "calls" in line]
     starts = [host["first_ns"] + 1e6 * call[0] for host in hosts for call in host["calls"]]
     gpu = {  # each GPU line's kernels: from the call's start (ms), busy time and the gaps
@@ -75,7 +110,9 @@ def _traced_admission(engine: Engine, prompt: list[int]) -> dict:
         if "gap_ms" in line
     }
     return dict(
+        traced_step_ms=1e3 * step_s,
         traced_calls_ms=[call[1] for host in hosts for call in host["calls"]],
+        after_call=after,
         inside_call=[host["inside_calls"][0][:25] for host in hosts],
         gpu_lines=gpu,
     )
