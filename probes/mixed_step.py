@@ -13,7 +13,8 @@ both see the same contexts; neither compiles after its warm-up (a compile evicts
 executable's CUDA graphs). Per (graphs_up_to, size): the launch-to-read time of the step
 (`Stats.prefill_time`) and the host's time inside the jitted call (`Stats.dispatch_time`),
 median and spread over `--reps`; with `--profile`, then one more admission a case under CUPTI
-(its kernels' summed time and count).
+(its kernels' summed time and count); with `--trace`, one admission a case under
+`jax.profiler`: where its launch-to-read goes, before, on and after the GPU (run 230).
 
     python -m probes.mixed_step --graphs-up-to 512 2048 --reps 12 --out mixed.json
 """
@@ -86,8 +87,10 @@ def _after_call(path: str, call_name: str) -> dict:
 
 
 def _traced_admission(engine: Engine, prompt: list[int]) -> dict:
-    """One admission (`_admit`) under `jax.profiler`: the step call's duration and the host
-    events inside it, summed by name (`probes.host_trace._inside`)."""
+    """One admission (`_admit`) under `jax.profiler`: its launch-to-read time, the step call's
+    duration, the host's events inside the call summed by name (`probes.host_trace._inside`),
+    each GPU line's first kernel from the call's start with its busy time and gaps, and the
+    events after the call (`_after_call`: the read's copies and callbacks)."""
     from probes.host_trace import _lines  # noqa: PLC0415 - imports the profiler's reader
 
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -132,8 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--trace",
         action="store_true",
         help="then one admission a case under jax.profiler: the host's events inside the "
-        "step's call, summed by name (`probes.host_trace`; set XLA_FLAGS="
-        "--xla_enable_command_buffers_during_profiling=true to keep command buffers)",
+        "step's call, the GPU's kernels from the call's start, the events after the call "
+        "(`_traced_admission`; set XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true "
+        "to keep command buffers)",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
