@@ -588,8 +588,9 @@ def step_function(
     copy: int = 0,
 ):
     """`model_step` jitted once per model structure, taking the parameters as the flat list of
-    their leaves (the engine's step; `decode`, `all_logits` and `implementation` are static,
-    `shared_prefix` and `prompt_only` are bound here). Another `copy` is another
+    their leaves and its `StepInputs` packed (`PackedInputs`; the engine's step; `decode`,
+    `all_logits` and `implementation` are static, `shared_prefix` and `prompt_only` are bound
+    here). Another `copy` is another
     jitted function of the same step: an executable, and command buffers, of its own.
 
     Dispatch hashes a jitted function's static arguments and flattens its pytree arguments on
@@ -603,14 +604,12 @@ def step_function(
 
     def step(param_leaves, kv_pages, pool, inputs, **static):
         params = jax.tree.unflatten(params_treedef, param_leaves)
-        if isinstance(inputs, PackedInputs):
-            inputs = inputs.unpack()
         return model_step(
             graphdef,
             params,
             kv_pages,
             pool,
-            inputs,
+            inputs.unpack(),
             shared_prefix=shared_prefix,
             conditionals_in_graph=conditionals_in_graph or jax.default_backend() != "gpu",
             prompt_only=prompt_only,
@@ -954,12 +953,12 @@ class Engine:
         num_tokens: int | None = None,
     ):
         """The jitted step of one kind: `step_fn(decode)(param_leaves, kv_pages, pool, inputs,
-        *, decode, all_logits, implementation) -> (kv_pages, pool, StepOutputs)`, pages and
-        pool donated. A decode step has the shared-prefix path when `prefix_sharing` is set,
-        unless `shared_prefix` is False; `in_flight`: the prompt-only step that may stay in
-        flight, the copy whose `turn` it is (of two where mixed steps run in command
-        buffers); else the mixed step of `num_tokens` tokens (one of
-        `config.step_token_counts`; None: the budget)."""
+        *, decode, all_logits, implementation) -> (kv_pages, pool, StepOutputs)`, inputs as
+        `_inputs` packs them, pages and pool donated. A decode step has the shared-prefix path
+        when `prefix_sharing` is set, unless `shared_prefix` is False; `in_flight`: the
+        prompt-only step that may stay in flight, the copy whose `turn` it is (of two where
+        mixed steps run in command buffers); else the mixed step of `num_tokens` tokens (one
+        of `config.step_token_counts`; None: the budget)."""
         if decode:
             return self._decode_fns[shared_prefix]
         if in_flight:
