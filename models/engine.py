@@ -81,33 +81,62 @@ class StepInputs(NamedTuple):
 
 
 @jax.tree_util.register_pytree_node_class
-class PackedInputs:
-    """A pytree of host arrays of 4-byte types (a step's `StepInputs`) packed into one i32
-    array: one host-to-device copy per call instead of one per leaf. On the H200's host each
-    numpy argument of a jitted call cost ~50 us (benchmarks/NOTES.md run 226: a call with 11
-    of them 671 us, with one 274). The layout (tree structure, shapes, dtypes) is the pytree's
-    static part, so it keys the jitted function's cache; `unpack` restores the tree inside
-    it."""
+class Packed:
+    """A pytree of arrays of 4-byte or bool types packed into one i32 array, so that it
+    crosses between host and device in one copy: a step's host inputs (`pack` on numpy
+    arrays, `unpack` inside the jitted step) and what the host reads of a step or block
+    (`pack` inside the jitted function, `to_host` after it). On the H200's host each array
+    that crosses costs its own transfer: a jitted call took 671 us with 11 numpy inputs and
+    274 with one, and a read of 4 small outputs 0.76 ms past the GPU's work against 0.41 for
+    one (benchmarks/NOTES.md runs 226 and 231). The layout (tree structure, shapes, dtypes)
+    is the pytree's static part, so it keys a jitted function's cache."""
 
     def __init__(self, data, layout):
         self.data, self.layout = data, layout
 
     @classmethod
-    def pack(cls, tree) -> PackedInputs:
+    def pack(cls, tree) -> Packed:
+        """Pack `tree`'s leaves: numpy arrays on the host, traced arrays inside a jit."""
         leaves, treedef = jax.tree.flatten(tree)
-        leaves = [np.asarray(x) for x in leaves]
-        if any(x.dtype.itemsize != 4 for x in leaves):
-            raise TypeError(f"PackedInputs takes 4-byte dtypes; got {[x.dtype for x in leaves]}")
-        data = np.concatenate([x.reshape(-1).view(np.int32) for x in leaves])
-        return cls(data, (treedef, tuple((x.shape, x.dtype.name) for x in leaves)))
+        on_host = all(isinstance(x, (np.ndarray, np.generic)) for x in leaves)
+        xp = np if on_host else jnp
+        dtypes = [np.dtype(x.dtype) for x in leaves]
+        if any(d != np.bool_ and d.itemsize != 4 for d in dtypes):
+            raise TypeError(f"Packed takes 4-byte and bool dtypes; got {dtypes}")
+        parts = []
+        for x, dtype in zip(leaves, dtypes, strict=True):
+            x = xp.reshape(x, -1)
+            if dtype == np.bool_:
+                parts.append(x.astype(np.int32))
+            elif on_host:
+                parts.append(x.view(np.int32))
+            else:
+                parts.append(jax.lax.bitcast_convert_type(x, jnp.int32))
+        shapes = tuple((tuple(np.shape(x)), d.name) for x, d in zip(leaves, dtypes, strict=True))
+        layout = (treedef, shapes)
+        return cls(xp.concatenate(parts), layout)
 
     def unpack(self):
+        """The packed tree, inside a jit."""
+        return self._unpacked(self.data, jnp)
+
+    def to_host(self):
+        """The packed tree as numpy arrays: one read of `data`."""
+        return self._unpacked(np.asarray(self.data), np)
+
+    def _unpacked(self, data, xp):
         treedef, shapes = self.layout
         leaves, offset = [], 0
         for shape, dtype in shapes:
-            size = int(np.prod(shape))
-            flat = jax.lax.slice_in_dim(self.data, offset, offset + size)
-            leaves.append(jax.lax.bitcast_convert_type(flat, jnp.dtype(dtype)).reshape(shape))
+            size = int(np.prod(shape, dtype=int))
+            flat = data[offset : offset + size]
+            if dtype == "bool":
+                flat = flat != 0
+            elif xp is np:
+                flat = flat.view(dtype)
+            else:
+                flat = jax.lax.bitcast_convert_type(flat, jnp.dtype(dtype))
+            leaves.append(flat.reshape(shape))
             offset += size
         return jax.tree.unflatten(treedef, leaves)
 
@@ -140,6 +169,13 @@ class StepOutputs(NamedTuple):
     logits: jax.Array | None
     shared_prefix: jax.Array  # bool[], the step read shared prefixes once per group
     page_table: jax.Array  # i32[max_seqs, pages_per_seq], the pool's after the step
+    # (tokens, logprobs, ok, shared_prefix, page_table) again, packed: the host's one read
+    read: Packed
+
+    @classmethod
+    def of(cls, tokens, logprobs, ok, logits, shared_prefix, page_table) -> StepOutputs:
+        read = Packed.pack((tokens, logprobs, ok, shared_prefix, page_table))
+        return cls(tokens, logprobs, ok, logits, shared_prefix, page_table, read)
 
 
 class BlockInputs(NamedTuple):
@@ -163,6 +199,9 @@ class BlockOutputs(NamedTuple):
     ok: jax.Array  # bool[], False: it stopped before a step whose pages the pool could not hold
     shared_prefix_steps: jax.Array  # i32[], of them, the steps that read shared prefixes once
     next: BlockInputs
+    # (tokens, logprobs, counts, steps, ok, shared_prefix_steps) again, packed: the host's
+    # one read
+    read: Packed
 
 
 def _forward(
@@ -340,7 +379,7 @@ def model_step(
     )
     page_table = pool.page_indices
     if prompt_only:
-        return kv_pages, pool, StepOutputs(None, None, ok, None, jnp.bool_(False), page_table)
+        return kv_pages, pool, StepOutputs.of(None, None, ok, None, jnp.bool_(False), page_table)
     num_tokens = inputs.tokens.shape[0]
     last = jnp.clip(inputs.cu_q_lens[1:] - 1, 0, num_tokens - 1)
     if all_logits:
@@ -352,7 +391,7 @@ def model_step(
     tokens, logprobs = sample(
         row_logits[rows], inputs.sampling, meta.kv_lens[rows], conditionals=conditionals_in_graph
     )
-    outputs = StepOutputs(tokens, logprobs, ok, logits, _uses_shared_prefix(meta), page_table)
+    outputs = StepOutputs.of(tokens, logprobs, ok, logits, _uses_shared_prefix(meta), page_table)
     return kv_pages, pool, outputs
 
 
@@ -462,7 +501,8 @@ def decode_block(
     pool, truncated = jaxpaged.truncate(pool, seq_ids, cached + counts)
     ok = truncated & ~((steps == limit) & (limit < num_steps) & jnp.any(budgets > 0))
     next_inputs = inputs._replace(tokens=tokens, budgets=budgets)
-    outputs = BlockOutputs(out_tokens, out_logprobs, counts, steps, ok, shared, next_inputs)
+    read = Packed.pack((out_tokens, out_logprobs, counts, steps, ok, shared))
+    outputs = BlockOutputs(out_tokens, out_logprobs, counts, steps, ok, shared, next_inputs, read)
     return kv_pages, pool, outputs
 
 
@@ -588,7 +628,7 @@ def step_function(
     copy: int = 0,
 ):
     """`model_step` jitted once per model structure, taking the parameters as the flat list of
-    their leaves and its `StepInputs` packed (`PackedInputs`; the engine's step; `decode`,
+    their leaves and its `StepInputs` packed (`Packed`; the engine's step; `decode`,
     `all_logits` and `implementation` are static, `shared_prefix` and `prompt_only` are bound
     here). Another `copy` is another
     jitted function of the same step: an executable, and command buffers, of its own.
@@ -1131,8 +1171,7 @@ class Engine:
                 c.seq.num_cached += c.length
             self._step = _Step(plan, [c.seq.slot for c in plan.chunks], start, out)
             self.stats.steps_in_flight += 1
-            for x in (out.ok, out.page_table):
-                x.copy_to_host_async()
+            out.read.data.copy_to_host_async()
         failed_before = previous is not None and not self._read_step(previous)
         if failed_before and self._step is not None:
             # It failed, and so did the step just enqueued if it holds one of its sequences.
@@ -1140,9 +1179,7 @@ class Engine:
             return []
         if self._step is not None:
             return []
-        tokens, logprobs, ok, shared = jax.device_get(
-            (out.tokens, out.logprobs, out.ok, out.shared_prefix)
-        )
+        tokens, logprobs, ok, shared, page_table = out.read.to_host()
         self._check_pool_updates()
         now = time.perf_counter()
         elapsed, self._last_read = now - max(start, self._last_read), now
@@ -1159,12 +1196,11 @@ class Engine:
             self._record_logits(plan, np.asarray(out.logits))
         self._count(plan, elapsed)
         self.stats.shared_prefix_steps += int(shared)
-        page_table = None
-        if self.scheduler.cache is not None and any(
+        # The pages the prompts filled, for the prefix cache.
+        filled = self.scheduler.cache is not None and any(
             c.start < c.seq.prompt_len for c in plan.chunks
-        ):
-            page_table = np.asarray(out.page_table)  # the pages the prompts filled
-        finished = self.scheduler.update(plan, tokens, logprobs, page_table)
+        )
+        finished = self.scheduler.update(plan, tokens, logprobs, page_table if filled else None)
         self._count_peak()
         self._retain_pending()
         self._fork_pending()
@@ -1231,7 +1267,7 @@ class Engine:
         unless it follows a failed step (which it failed with), preempt as after a failed
         step. A chunk whose sequence has left its slot since (preempted) is skipped. Returns
         the step's ok."""
-        ok, page_table = jax.device_get((step.out.ok, step.out.page_table))
+        _, _, ok, _, page_table = step.out.read.to_host()
         self._check_pool_updates()
         now = time.perf_counter()
         elapsed, self._last_read = now - max(step.start, self._last_read), now
@@ -1321,15 +1357,12 @@ class Engine:
                 sampling_case=case,
             )
         self.stats.dispatch_time += time.perf_counter() - start
-        for x in (out.tokens, out.logprobs, out.counts, out.steps, out.ok, out.shared_prefix_steps):
-            x.copy_to_host_async()
+        out.read.data.copy_to_host_async()
         return out
 
     def _finish_block(self, block: _Block) -> list[Sequence]:
         out = block.out
-        tokens, logprobs, counts, steps, ok, shared = jax.device_get(
-            (out.tokens, out.logprobs, out.counts, out.steps, out.ok, out.shared_prefix_steps)
-        )
+        tokens, logprobs, counts, steps, ok, shared = out.read.to_host()
         self._check_pool_updates()
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
@@ -1393,7 +1426,7 @@ class Engine:
         tokens = sum(c.length for c in plan.chunks)
         return next(n for n in self.config.step_token_counts if n >= tokens)
 
-    def _inputs(self, plan: Plan, decode: bool, num_tokens: int | None = None) -> PackedInputs:
+    def _inputs(self, plan: Plan, decode: bool, num_tokens: int | None = None) -> Packed:
         """The inputs of a step of `plan` in the decode kind (`decode`) or the mixed one, of
         `num_tokens` tokens (None: the decode rows, or the budget): its `StepInputs`, packed."""
         num_seq_slots = self.decode_rows if decode else self.config.max_seqs
@@ -1417,7 +1450,7 @@ class Engine:
         ]
         seqs = [c.seq for c in plan.chunks] + [forked for _, forked in plan.forks]
         sampling = self._sampling(seqs, num_seq_slots)
-        return PackedInputs.pack(
+        return Packed.pack(
             StepInputs(
                 tokens,
                 seq_ids,

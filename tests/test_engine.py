@@ -24,7 +24,7 @@ from models.engine import (
     LARGE_STEP_XLA_OPTIONS,
     SMALL_STEP_XLA_OPTIONS,
     Engine,
-    PackedInputs,
+    Packed,
     StepInputs,
     _decode_metadata,
     block_inputs_after_step,
@@ -502,10 +502,12 @@ def test_block_decode_metadata_equals_the_ragged_build(step, mask_pages):
     assert got.decode and (np.asarray(got.kv_slots)[np.asarray(active)] >= 0).all()
 
 
-def test_packed_inputs_restore_every_leaf_bit_for_bit_inside_jit():
-    """A step's host inputs reach the jitted call as one i32 array (`PackedInputs`), and
-    `unpack` gives back each leaf's shape, dtype and bits: floats and u32 seeds above 2**31
-    included. Calls of one layout share a compile; a leaf that is not 4 bytes is refused."""
+def test_packed_trees_cross_between_host_and_device_bit_for_bit():
+    """A step's host inputs reach the jitted call as one i32 array (`Packed.pack` on numpy,
+    `unpack` inside), and what the host reads of a step comes back as one (`pack` inside,
+    `to_host`): each leaf keeps its shape, dtype and bits (floats, u32 seeds above 2**31,
+    bools, a None left as None). Calls of one layout share a compile; a leaf of another
+    width is refused."""
     rng = np.random.default_rng(0)
 
     def inputs(num_tokens, rows=4):
@@ -525,10 +527,10 @@ def test_packed_inputs_restore_every_leaf_bit_for_bit_inside_jit():
             rng.integers(0, 100, rows, dtype=np.int32),
         )
 
-    unpack = jax.jit(PackedInputs.unpack)
+    unpack = jax.jit(Packed.unpack)
     for num_tokens in (8, 8, 16):
         host = inputs(num_tokens)
-        packed = PackedInputs.pack(host)
+        packed = Packed.pack(host)
         size = sum(np.size(x) for x in jax.tree.leaves(host))  # 46 beside the tokens
         assert [x.shape for x in jax.tree.leaves(packed)] == [(size,)] and size == num_tokens + 46
         restored = unpack(packed)
@@ -537,8 +539,25 @@ def test_packed_inputs_restore_every_leaf_bit_for_bit_inside_jit():
             assert got.dtype == want.dtype and got.shape == want.shape
             np.testing.assert_array_equal(np.asarray(got), want)
     assert unpack._cache_size() == 2  # one per layout: 8 and 16 tokens
-    with pytest.raises(TypeError, match="4-byte dtypes"):
-        PackedInputs.pack((np.zeros(3, np.int32), np.zeros(3, np.bool_)))
+
+    # The way back: a step's outputs, packed inside the jit and read on the host.
+    tokens = rng.integers(0, 1000, 4, dtype=np.int32)
+    logprobs = -rng.uniform(0, 10, 4).astype(np.float32)
+    table = rng.integers(-1, 100, (4, 5), dtype=np.int32)
+    for ok in (True, False):
+        read = jax.jit(lambda *a: Packed.pack((a[0], None, a[1], a[2], a[3], a[4])))(
+            tokens, np.bool_(ok), np.bool_(not ok), logprobs, table
+        )
+        assert len(jax.tree.leaves(read)) == 1
+        t, none, got_ok, shared, lp, tab = read.to_host()
+        assert none is None and got_ok.dtype == np.bool_ and bool(got_ok) is ok
+        assert bool(shared) is (not ok)
+        np.testing.assert_array_equal(t, tokens)
+        np.testing.assert_array_equal(lp, logprobs)
+        np.testing.assert_array_equal(tab, table)
+    for bad in (np.zeros(3, np.int64), np.zeros(3, np.float16)):
+        with pytest.raises(TypeError, match="4-byte and bool dtypes"):
+            Packed.pack((np.zeros(3, np.int32), bad))
 
 
 def test_block_updates_pages_and_pool_in_place_and_compiles_once():
