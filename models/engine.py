@@ -169,12 +169,14 @@ class StepOutputs(NamedTuple):
     logits: jax.Array | None
     shared_prefix: jax.Array  # bool[], the step read shared prefixes once per group
     page_table: jax.Array  # i32[max_seqs, pages_per_seq], the pool's after the step
-    # (tokens, logprobs, ok, shared_prefix, page_table) again, packed: the host's one read
+    # (tokens, logprobs, ok, shared_prefix) again, packed: the host's one read. The page
+    # table is read apart, by the prefix cache only: it grows with the engine's slots and
+    # pages (2 MB at 256 slots of 2048 pages), and an engine without the cache never needs it.
     read: Packed
 
     @classmethod
     def of(cls, tokens, logprobs, ok, logits, shared_prefix, page_table) -> StepOutputs:
-        read = Packed.pack((tokens, logprobs, ok, shared_prefix, page_table))
+        read = Packed.pack((tokens, logprobs, ok, shared_prefix))
         return cls(tokens, logprobs, ok, logits, shared_prefix, page_table, read)
 
 
@@ -1172,6 +1174,8 @@ class Engine:
             self._step = _Step(plan, [c.seq.slot for c in plan.chunks], start, out)
             self.stats.steps_in_flight += 1
             out.read.data.copy_to_host_async()
+            if self.scheduler.cache is not None:
+                out.page_table.copy_to_host_async()
         failed_before = previous is not None and not self._read_step(previous)
         if failed_before and self._step is not None:
             # It failed, and so did the step just enqueued if it holds one of its sequences.
@@ -1179,7 +1183,7 @@ class Engine:
             return []
         if self._step is not None:
             return []
-        tokens, logprobs, ok, shared, page_table = out.read.to_host()
+        tokens, logprobs, ok, shared = out.read.to_host()
         self._check_pool_updates()
         now = time.perf_counter()
         elapsed, self._last_read = now - max(start, self._last_read), now
@@ -1196,11 +1200,12 @@ class Engine:
             self._record_logits(plan, np.asarray(out.logits))
         self._count(plan, elapsed)
         self.stats.shared_prefix_steps += int(shared)
-        # The pages the prompts filled, for the prefix cache.
-        filled = self.scheduler.cache is not None and any(
+        page_table = None
+        if self.scheduler.cache is not None and any(
             c.start < c.seq.prompt_len for c in plan.chunks
-        )
-        finished = self.scheduler.update(plan, tokens, logprobs, page_table if filled else None)
+        ):
+            page_table = np.asarray(out.page_table)  # the pages the prompts filled
+        finished = self.scheduler.update(plan, tokens, logprobs, page_table)
         self._count_peak()
         self._retain_pending()
         self._fork_pending()
@@ -1267,7 +1272,7 @@ class Engine:
         unless it follows a failed step (which it failed with), preempt as after a failed
         step. A chunk whose sequence has left its slot since (preempted) is skipped. Returns
         the step's ok."""
-        _, _, ok, _, page_table = step.out.read.to_host()
+        _, _, ok, _ = step.out.read.to_host()
         self._check_pool_updates()
         now = time.perf_counter()
         elapsed, self._last_read = now - max(step.start, self._last_read), now
@@ -1283,7 +1288,8 @@ class Engine:
                 self.scheduler.on_failed_step()
             return False
         self._count(step.plan, elapsed)
-        self.scheduler.cache_prompt_pages(chunks, page_table)
+        if self.scheduler.cache is not None:
+            self.scheduler.cache_prompt_pages(chunks, np.asarray(step.out.page_table))
         self._count_peak()
         self._retain_pending()
         return True

@@ -1127,6 +1127,28 @@ def test_prefix_cache_reuses_the_full_pages_of_a_prompts_prefix(backend):
     assert _used_pages(engine) == 6
 
 
+def test_prefix_cache_takes_the_pages_of_prompt_chunks_left_in_flight():
+    """Prompt chunks that sample nothing stay in flight and are read after the next step is
+    enqueued (`Engine._read_step`); the pages they filled go to the cache then, so a repeat
+    of the prompt starts on all its full pages and gives what it gives without the cache."""
+    prompt, params = _prompt(61, 70), SamplingParams(5, 0.8, seed=3)
+    chunked = dict(chunk_size=8, max_tokens_per_step=8, xla_options=NO_GRAPHS)
+    engine = _cached_engine(**chunked)
+    full_pages = len(prompt) // PAGE
+    seqs = []
+    for _ in range(2):
+        seqs.append(engine.add_request(prompt, params))
+        while engine.has_work():
+            engine.step()
+    # The first run's prompt-only chunks stayed in flight (not the second's: it starts on
+    # the cache and runs its last page in one step that samples).
+    assert engine.stats.steps_in_flight >= full_pages * PAGE // 8 - 1
+    assert len(engine.scheduler.cache.match(page_keys(prompt, PAGE))) == full_pages
+    assert engine.stats.prefix_hit_pages == full_pages
+    refs = _generate(_engine("xla", overlap=False), [prompt] * 2, params)
+    _assert_same(seqs, refs)
+
+
 def test_prefix_cache_evicts_the_least_recently_used_idle_pages():
     """On a 10-page pool, three finished 49-token prompts leave 9 idle cached pages; a new
     prompt that needs 3 pages evicts the two least recently used, the deepest pages of the
