@@ -31,7 +31,11 @@ Cases, per layer (16 layers, each with its own weights: 1.6 GB, past the 60 MB L
   - `ws`, `ws_nobarrier`: `fused` and `fused_nobarrier` in a copy and a compute warpgroup
     (`stream_ws`, session 28);
   - `ws_dynamic`, `ws_dynamic_nobarrier`: the same with the last `--tails` of each phase
-    handed out `--chunks` iterations at a time by a GMEM counter.
+    handed out `--chunks` iterations at a time by a GMEM counter;
+  - `ws_dependent`: `ws` with a dependent load of `--dependent-kb` after each barrier, its
+    stores complete before it (`stream_ws`'s `act`, session 45);
+  - `ws_counters`, `ws_counters_dependent`: `ws` and `ws_dependent` with the barriers
+    counting in a ref that outlives the call, no memset before it (`stream_ws`'s `counters`).
 
     python -m probes.layer_stream --rows 2 16 --out results.json
 """
@@ -247,6 +251,34 @@ def _fetch_add(counter, claim_smem):
     fetch(counter, claim_smem)
 
 
+def _grid_barrier(counters, parity: int, barrier: int, num_programs: int):
+    """The warpgroups of all `num_programs` programs meet at `counters[parity, barrier]`: one
+    thread's release add of 1 at GPU scope, then its acquire poll until the count reaches
+    `num_programs`, as `plgpu.semaphore_signal` / `semaphore_wait` do on their own
+    semaphores, on a plain int32 ref that outlives the call."""
+    width = counters.shape[1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def meet(ctx, counters_ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        base = mgpu_utils.memref_ptr(counters_ref)
+        ptr = mgpu_utils.getelementptr(base, [parity * width + barrier], i32)
+        semaphore = mgpu_utils.SemaphoreRef(ptr)
+        semaphore.signal(1, memory_scope="gpu")
+        semaphore.wait(num_programs, decrement=False, memory_scope="gpu")
+
+    meet(counters)
+
+
+@plgpu.inline_mgpu()
+def _proxy_fence(ctx):
+    """Orders this thread's TMA (async proxy) accesses of global memory against its ordinary
+    ones: stores complete before a barrier's arrival, loads after its release."""
+    del ctx
+    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+
 def stream_ws(
     x,
     w,
@@ -259,6 +291,9 @@ def stream_ws(
     chunk=2,
     num_programs=None,
     profile_dir=None,
+    act=None,
+    counters=None,
+    parity=0,
 ):
     """The skeleton of `stream` in two warpgroups, with the tail of each phase handed out at
     run time. x [R, K] (R a multiple of 8), w [K, sum(phase_cols)]; returns each program's last
@@ -275,7 +310,20 @@ def stream_ws(
     left, then goes on to its share of the next phase. The copy warpgroup asks, so the
     counter's latency sits behind the copies it already has in flight. With `tail=0` the
     shares are static, as in `stream`. `profile_dir`: as `stream`'s, the compute warpgroup's
-    scopes."""
+    scopes.
+
+    Two things a layer kernel with real arithmetic adds at each barrier (session 45):
+    - `act` ([n, 128] float32, n <= 256): a dependent load. Before it signals, a program waits
+      until its stored tiles are complete (not only read), and after the barrier it copies
+      all of `act` into shared memory and waits for it before its next `wgmma`, as a program
+      must load the last phase's outputs (the norm's partial sums, the SwiGLU product) before
+      it can use them. This prices the load that queues behind the program's weight copies
+      already in flight (session 28).
+    - `counters` (a `jax.new_ref` of [2, barriers] int32, zero when first used): the barriers
+      count in `counters[parity]` instead of `pl.get_global` semaphores, which XLA zeroes
+      before every call with a memset node (1.39 us in the step, run 154). Program 0 zeroes
+      `counters[1 - parity]` as it starts, for the next call: calls that alternate `parity`
+      (in stream order, so the call before has finished) never need a memset."""
     rows, k = x.shape
     n = w.shape[1]
     assert n == sum(phase_cols) and k % tile_k == 0 and rows % 8 == 0
@@ -287,12 +335,19 @@ def stream_ws(
     phases = len(sizes)
     num_barriers = phases - 1 if barriers else 0
 
-    def kernel(x_ref, w_ref, out_ref, ran_ref, x_smem, w_smem, meta_smem, claim_smem, y_smem, bars):
+    def kernel(*refs):
+        x_ref, w_ref, *refs = refs
+        act_ref = refs.pop(0) if act is not None else None
+        counters_ref = refs.pop(0) if counters is not None else None
+        out_ref, ran_ref, x_smem, w_smem, meta_smem, claim_smem, y_smem, bars, act_scratch = refs
         ready, free = bars
         program = lax.axis_index("program")
         wg = lax.axis_index("wg")
-        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((max(num_barriers, 1),)))
-        counters = pl.get_global(plgpu.SemaphoreType.REGULAR((phases,)))
+        # Each `pl.get_global` costs a memset node before the call: only where it is used.
+        if counters_ref is None and num_barriers:
+            sems = pl.get_global(plgpu.SemaphoreType.REGULAR((num_barriers,)))
+        if any(s < z for s, z in zip(statics, sizes, strict=True)):
+            tails = pl.get_global(plgpu.SemaphoreType.REGULAR((phases,)))
 
         def static_share(j):
             s = _select(statics, j)
@@ -304,7 +359,7 @@ def stream_ws(
                 """The next run of phase j's tail: (start, end), start >= size when none."""
                 for p in range(phases):
                     if statics[p] < sizes[p]:
-                        pl.when(j == p)(lambda p=p: _fetch_add(counters.at[p], claim_smem))
+                        pl.when(j == p)(lambda p=p: _fetch_add(tails.at[p], claim_smem))
                 c = claim_smem[0]
                 start = _select(statics, j) + c * chunk
                 has_tail = (
@@ -391,10 +446,21 @@ def stream_ws(
                     @pl.when((phase != prev) & (phase == b + 1))
                     @jax.named_scope(f"barrier{b}")
                     def _(b=b):
-                        plgpu.semaphore_signal(sems.at[b], 1, memory_scope="gpu")
-                        plgpu.semaphore_wait(
-                            sems.at[b], num_programs, decrement=False, memory_scope="gpu"
-                        )
+                        if act_ref is not None:  # the tiles stored must be visible
+                            plgpu.wait_smem_to_gmem(0)
+                            _proxy_fence()
+                        if counters_ref is None:
+                            plgpu.semaphore_signal(sems.at[b], 1, memory_scope="gpu")
+                            plgpu.semaphore_wait(
+                                sems.at[b], num_programs, decrement=False, memory_scope="gpu"
+                            )
+                        else:
+                            _grid_barrier(counters_ref, parity, b, num_programs)
+                        if act_ref is not None:
+                            _proxy_fence()
+                            act_smem, act_barrier = act_scratch
+                            plgpu.copy_gmem_to_smem(act_ref, act_smem, act_barrier)
+                            plgpu.barrier_wait(act_barrier)
 
                 def mma(acc_ref):
                     plgpu.wgmma(
@@ -419,6 +485,13 @@ def stream_ws(
                 acc = jnp.where(col < jnp.where(ends == 1, 0, TILE_N), acc, jnp.zeros_like(acc))
                 g2, phase2, ends2 = read(i + 1)
                 return i + 1, acc, phase, phase2, g2, ends2, ran
+
+            if counters_ref is not None:
+
+                @pl.when(program == 0)
+                def _():
+                    for b in range(num_barriers):
+                        counters_ref[1 - parity, b] = jnp.int32(0)
 
             g, phase, ends = read(jnp.int32(0))
             none = ((jnp.int32(0), jnp.int32(0)),) * phases
@@ -450,11 +523,12 @@ def stream_ws(
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                 plgpu.Barrier(num_barriers=stages),
             ),
+            (plgpu.SMEM(act.shape, act.dtype), plgpu.Barrier()) if act is not None else (),
         ),
         compiler_params=plgpu.CompilerParams(
             **(dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {})
         ),
-    )(x, w)
+    )(x, w, *(r for r in (act, counters) if r is not None))
 
 
 def barrier_trace(path, sm_ghz=1.98):
@@ -493,8 +567,16 @@ def fused_layers(xs, ws, **kw):
     return [stream(xs, w, phase_cols=PHASE_COLS, **kw) for w in ws]
 
 
-def ws_layers(xs, ws, **kw):
-    return [stream_ws(xs, w, phase_cols=PHASE_COLS, **kw) for w in ws]
+def ws_layers(xs, ws, *, dependent_kb=0, counters=False, **kw):
+    """`stream_ws` over the layers. `dependent_kb`: each barrier followed by a dependent load
+    of that many KB (`stream_ws`'s `act`); `counters`: the barriers count in one
+    `jax.new_ref` for the whole chain, zeroed once, its two slots taken in turn."""
+    if dependent_kb:
+        kw["act"] = jnp.ones((dependent_kb * 2, 128), jnp.float32)
+    if counters:
+        kw["counters"] = jax.new_ref(jnp.zeros((2, len(PHASE_COLS) - 1), jnp.int32))
+    out = [stream_ws(xs, w, phase_cols=PHASE_COLS, parity=n % 2, **kw) for n, w in enumerate(ws)]
+    return out
 
 
 def covers_every_iteration(ran, k_steps) -> bool:
@@ -548,6 +630,9 @@ def main():
     parser.add_argument("--tails", type=float, nargs="+", default=[0.1], help="ws_dynamic")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2], help="ws_dynamic")
     parser.add_argument(
+        "--dependent-kb", type=int, nargs="+", default=[32], help="ws_dependent, ws_counters_*"
+    )
+    parser.add_argument(
         "--cases", nargs="+", default=["fused", "fused_nobarrier", "per_phase", "xla"]
     )
     parser.add_argument("--out")
@@ -575,6 +660,10 @@ def main():
                     for p in args.programs
                 ]
             )
+            if "dependent" in name:
+                configs = [dict(kw, dependent_kb=d) for kw in configs for d in args.dependent_kb]
+            if "counters" in name:
+                configs = [dict(kw, counters=True) for kw in configs]
             if name.startswith("ws_dynamic"):
                 configs = [
                     dict(kw, tail=tail, chunk=c)
