@@ -177,7 +177,7 @@ def test_unsupported_shapes_are_value_errors(head_dim, page_size, num_q_heads, c
 
 def test_interpret_is_refused():
     args = [jnp.zeros(a.shape, a.dtype) for a in _abstract_args(64, 4, 4, 16, jnp.bfloat16)]
-    with pytest.raises(NotImplementedError, match="wgmma"):
+    with pytest.raises(NotImplementedError, match="no interpret mode"):
         mosaic.paged_decode_attention(*args, sm_scale=0.125, interpret=True)
 
 

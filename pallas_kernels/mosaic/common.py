@@ -42,7 +42,9 @@ def check_inputs(name: str, dtype, head_dim: int, page_size: int, config, interp
     if interpret:
         raise NotImplementedError(
             f"the Mosaic GPU {name} kernel has no interpret mode: Mosaic GPU's interpreter "
-            "cannot run wgmma in jax 0.11.2; use implementation='triton' or 'xla' off-GPU"
+            "(jax 0.11.2) runs no `pl.run_state` accumulators, per-thread `inline_mgpu` code "
+            "or semaphores, which these kernels use; use implementation='triton' or 'xla' "
+            "off-GPU"
         )
     if jnp.dtype(dtype) not in DTYPES:
         raise TypeError(

@@ -190,7 +190,8 @@ def paged_decode_attention(
       config: `MosaicDecodeConfig`; None: `MosaicDecodeConfig.default(D)`, which a call of
         persistent programs at D=128 (and pages that divide 64 keys) runs as 64-key steps, four
         stages and two compute warpgroups (`_PERSISTENT_D128`).
-      interpret: must be False: Mosaic GPU's interpreter cannot run `wgmma` (jax 0.11.2).
+      interpret: must be False: Mosaic GPU's interpreter (jax 0.11.2) runs neither this
+        kernel's `pl.run_state` accumulators nor its per-thread `inline_mgpu` code.
       profile_dir: diagnostics only: every call writes a trace of each program's named
         regions (Mosaic GPU's in-kernel profiler) as JSON into this directory.
       merge: False returns the splits' states unmerged, `out` [S, splits, Hq, D] (float32, or
