@@ -251,7 +251,7 @@ def _fetch_add(counter, claim_smem):
     fetch(counter, claim_smem)
 
 
-def _grid_barrier(counters, parity: int, barrier: int, num_programs: int):
+def grid_barrier(counters, parity: int, barrier: int, num_programs: int):
     """The warpgroups of all `num_programs` programs meet at `counters[parity, barrier]`: one
     thread's release add of 1 at GPU scope, then its acquire poll until the count reaches
     `num_programs`, as `plgpu.semaphore_signal` / `semaphore_wait` do on their own
@@ -265,6 +265,7 @@ def _grid_barrier(counters, parity: int, barrier: int, num_programs: int):
         base = mgpu_utils.memref_ptr(counters_ref)
         ptr = mgpu_utils.getelementptr(base, [parity * width + barrier], i32)
         semaphore = mgpu_utils.SemaphoreRef(ptr)
+        mgpu_utils.warpgroup_barrier()  # every thread's stores before the one thread's release
         semaphore.signal(1, memory_scope="gpu")
         semaphore.wait(num_programs, decrement=False, memory_scope="gpu")
 
@@ -272,7 +273,7 @@ def _grid_barrier(counters, parity: int, barrier: int, num_programs: int):
 
 
 @plgpu.inline_mgpu()
-def _proxy_fence(ctx):
+def proxy_fence(ctx):
     """Orders this thread's TMA (async proxy) accesses of global memory against its ordinary
     ones: stores complete before a barrier's arrival, loads after its release."""
     del ctx
@@ -448,16 +449,16 @@ def stream_ws(
                     def _(b=b):
                         if act_ref is not None:  # the tiles stored must be visible
                             plgpu.wait_smem_to_gmem(0)
-                            _proxy_fence()
+                            proxy_fence()
                         if counters_ref is None:
                             plgpu.semaphore_signal(sems.at[b], 1, memory_scope="gpu")
                             plgpu.semaphore_wait(
                                 sems.at[b], num_programs, decrement=False, memory_scope="gpu"
                             )
                         else:
-                            _grid_barrier(counters_ref, parity, b, num_programs)
+                            grid_barrier(counters_ref, parity, b, num_programs)
                         if act_ref is not None:
-                            _proxy_fence()
+                            proxy_fence()
                             act_smem, act_barrier = act_scratch
                             plgpu.copy_gmem_to_smem(act_ref, act_smem, act_barrier)
                             plgpu.barrier_wait(act_barrier)

@@ -1,0 +1,728 @@
+"""Probe: a decoder layer's work after attention as one persistent Mosaic GPU kernel, with its
+arithmetic (issue 20; benchmarks/NOTES.md, "Session 45").
+
+At B=1 the `1b` decode step spends ~38.4 us a layer in seven kernels after attention (run 209):
+o, `add_rms_norm`, gate/up, SwiGLU, down, `add_rms_norm` and the next layer's qkv. Each pays a
+ramp and a tail. `layer_stream` streamed the four projections' weights through one kernel in
+26 us a layer, 31 with a grid barrier between phases (runs 134, 146). This kernel is that
+stream with the layer's arithmetic in it. One program per SM; its weights come through one
+`emit_pipeline` of [128, 64] TMA tiles across all four phases, so the next phase's copies are
+in flight while a program waits at a barrier:
+
+  - phase o: attn [R, Hq*D] @ Wo as float32 partial sums over 4 parts of K;
+  - barrier; each program sums them with the residual x (h = x + o, as `add_rms_norm` does)
+    and writes the RMSNorm of h into shared memory as the next phase's x; program 0 keeps h;
+  - phase gate/up: normed @ [gate | up], partial sums over 4 parts of K;
+  - barrier; each program with a down unit takes SwiGLU of its part of the intermediate
+    dimension (the partial sums added, `silu(gate) * up` rounded once, as `models.decoder.MLP`
+    does for small steps);
+  - phase down: act @ Wd, partial sums over 4 parts of K;
+  - barrier; each program takes h2 = h + down and the next layer's input norm of it; program
+    0 writes h2, the kernel's first output;
+  - phase qkv: normed @ Wqkv (the next layer's), partial sums over 2 parts, the kernel's second
+    output (`rope_append` and the Mosaic decode kernel's fold sum such parts).
+
+Work is split into units (a 64-column tile and a part of K; for gate/up a gate tile and its
+up tile), dealt round-robin to the programs, and the weights are stored in the order the units
+read them (`arrange`; a checkpoint would be permuted once at load). The barriers count in a
+ref that outlives the call (`probes.layer_stream.grid_barrier`), so no memset precedes it.
+
+Cases, per layer (16 layers, each with its own weights, past the 60 MB L2), CUPTI and the wall
+time in a graphed loop:
+  - `kernel`: the kernel, each layer's h2 the next one's x (the attention output held fixed);
+  - `xla`: the same arithmetic as the decode step computes it (split-K partial sums, the norms
+    and SwiGLU in XLA).
+Layer 0 of both is checked against `reference` first.
+
+    python -m probes.layer_kernel --rows 1 2 --out results.json
+    python -m probes.layer_kernel --simulate --rows 1 2   # on a CPU: `simulate` only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, vector
+from jax._src.lib.mlir.dialects import math as mlir_math
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from benchmarks.common import environment, error_text, kernel_time_ms, step_time_ms
+from pallas_kernels.common import device_num_sms
+from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
+from probes.layer_stream import GRAPH_OPTIONS, grid_barrier, proxy_fence
+
+TILE_N, TILE_K = 64, 128
+ROWS = 8  # the padded rows: x is `wgmma`'s N
+LAYERS = 16
+EPS = 1e-6
+RUN = 4  # columns a thread takes at once in the per-thread code
+THREADS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    hidden: int = 2048
+    heads_dim: int = 2048  # Hq * D, o's K
+    inter: int = 6144
+    qkv: int = 4096  # (Hq + 2 Hkv) * D
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One projection: K, its output columns (for gate/up the columns of gate alone), the parts
+    of K its units take, and whether a unit is a gate tile and its up tile."""
+
+    k: int
+    cols: int
+    parts: int
+    pair: bool = False
+
+    @property
+    def units(self) -> int:
+        return self.cols // TILE_N * self.parts
+
+    @property
+    def steps(self) -> int:  # weight tiles a unit reads
+        return self.k // TILE_K // self.parts * (2 if self.pair else 1)
+
+
+def phases(shape: Shape) -> tuple[Phase, ...]:
+    return (
+        Phase(shape.heads_dim, shape.hidden, 4),
+        Phase(shape.hidden, shape.inter, 4, pair=True),
+        Phase(shape.inter, shape.hidden, 4),
+        Phase(shape.hidden, shape.qkv, 2),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which program runs which unit, in which order, and what each of its iterations reads
+    and writes. Unit u of phase j runs on program (u + offsets[j]) % P: gate/up's first units
+    go to the 4 programs that o, down and qkv (128 units each) leave idle. Pure `jnp`, so
+    that the kernel computes it on its scalars and `simulate` on arrays of them."""
+
+    shape: Shape
+    num_programs: int
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        return phases(self.shape)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return (0, self.num_programs - 4, 0, 0)
+
+    @property
+    def bases(self) -> list[int]:  # each phase's first tile in `arrange`'s array
+        return list(itertools.accumulate([0] + [p.units * p.steps for p in self.phases]))
+
+    @property
+    def max_count(self) -> int:
+        """Iterations of the pipeline: the most any program runs, plus one, so that every
+        program passes every barrier inside the loop."""
+        return sum(-(-p.units // self.num_programs) * p.steps for p in self.phases) + 1
+
+    def plan(self, program):
+        """([first unit, units] per phase, each phase's first iteration, then the count)."""
+        num = self.num_programs
+        info = []
+        for j, p in enumerate(self.phases):
+            first = (program - self.offsets[j] + num) % num
+            count = jnp.maximum((p.units - first + num - 1) // num, 0)
+            info.append((first, jnp.where(first < p.units, count, 0)))
+        local = [jnp.zeros_like(program)]
+        for (_, n), p in zip(info, self.phases, strict=True):
+            local.append(local[-1] + n * p.steps)
+        return info, local
+
+    def locate(self, i, info, local):
+        """For iteration i (clamped to the program's last): its phase, unit, step, the unit's
+        part and column tile, the weight tile it reads (a row block of `arrange`'s array),
+        the 128 columns of the phase's x it multiplies (`k_step`), and whether it ends a
+        product (a unit, or a gate/up unit's gate half)."""
+        ps = self.phases
+        count = local[-1]
+        i = jnp.clip(i, 0, jnp.maximum(count - 1, 0))
+        phase, t = jnp.zeros_like(i), i
+        for j in range(1, len(ps)):
+            inside = i >= local[j]
+            phase = jnp.where(inside, j, phase)
+            t = jnp.where(inside, i - local[j], t)
+        steps = _select([p.steps for p in ps], phase)
+        parts = _select([p.parts for p in ps], phase)
+        half = _select([p.steps // 2 if p.pair else p.steps for p in ps], phase)
+        first = _select_traced([f for f, _ in info], phase)
+        unit = first + (t // steps) * self.num_programs
+        step = t % steps
+        part, tile = unit % parts, unit // parts
+        # x holds all of K, except in down, where it holds the program's part of act.
+        k_step = jnp.where(phase == 2, step, part * half + step % half)
+        return dict(
+            phase=phase,
+            unit=unit,
+            step=step,
+            part=part,
+            tile=tile,
+            which=(step >= half).astype(jnp.int32),
+            k_step=k_step,
+            tile_row=_select(self.bases, phase) + unit * steps + step,
+            ends=(step == half - 1) | (step == steps - 1),
+        )
+
+
+def _unit_tiles(w, phase: Phase):
+    """w [K, N] -> [units, steps / (2 if pair), 128, 64]: unit (c, part) = c * parts + part
+    reads rows part * steps' + s of column tile c."""
+    k, n = w.shape
+    tiles = w.reshape(k // TILE_K, TILE_K, n // TILE_N, TILE_N).transpose(2, 0, 1, 3)
+    per = k // TILE_K // phase.parts
+    return tiles.reshape(n // TILE_N * phase.parts, per, TILE_K, TILE_N)
+
+
+def arrange(wo, w_gate, w_up, wd, wqkv, shape: Shape = Shape()):
+    """The layer's weights as one [tiles * 128, 64] array in the order the units read them:
+    phase after phase, unit after unit, a gate/up unit's gate tiles before its up tiles."""
+    ps = phases(shape)
+    blocks = [
+        _unit_tiles(wo, ps[0]),
+        jnp.concatenate([_unit_tiles(w_gate, ps[1]), _unit_tiles(w_up, ps[1])], axis=1),
+        _unit_tiles(wd, ps[2]),
+        _unit_tiles(wqkv, ps[3]),
+    ]
+    return jnp.concatenate([b.reshape(-1, TILE_N) for b in blocks], axis=0)
+
+
+def _row_norm(parts, resid, scale, sum_out, x_smem, warp_sums, row, *, eps, write_sum):
+    """Per-thread code of the compute warpgroup for one row: h = resid + rounded(sum of the
+    partial sums), rounded, as `jaxpaged.add_rms_norm`; its RMSNorm times `scale` rounded to
+    bfloat16 into row `row` of `x_smem` (`TILED`); h into `sum_out` where `write_sum`."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(
+            plgpu.RefType(),
+            plgpu.RefType(),
+            plgpu.RefType(),
+            plgpu.RefType(),
+            plgpu.RefType(TILED),
+            plgpu.RefType(),
+            plgpu.Layout.WG_SPLAT(shape=()),
+            plgpu.Layout.WG_SPLAT(shape=()),
+        )
+    )
+    def rows(ctx, parts, resid, scale, sum_out, x_smem, warp_sums, row, write_sum):
+        del ctx
+        num_parts, _, hidden = ir.MemRefType(parts.type).shape
+        i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
+        bf16 = ir.BF16Type.get()
+        vec = lambda t: ir.VectorType.get([RUN], t)  # noqa: E731
+        c32 = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+        r = arith.index_cast(index, row.registers.item())
+
+        def rounded(v):
+            return arith.extf(vec(f32), arith.truncf(vec(bf16), v))
+
+        tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
+        cols, loaded = [], []
+        for k in range(hidden // (RUN * THREADS)):
+            col = arith.index_cast(index, arith.muli(arith.addi(tid, c32(k * THREADS)), c32(RUN)))
+            terms = [
+                vector.load(vec(f32), parts, [mgpu_utils.c(s, index), r, col])
+                for s in range(num_parts)
+            ]
+            x_run = arith.extf(vec(f32), vector.load(vec(bf16), resid, [r, col]))
+            s_run = arith.extf(vec(f32), vector.load(vec(bf16), scale, [col]))
+            cols.append(col)
+            loaded.append((x_run, terms, s_run))
+        totals, squares = [], None
+        for x_run, terms, _ in loaded:
+            h_run = terms[0]
+            for term in terms[1:]:
+                h_run = arith.addf(h_run, term)
+            total = rounded(arith.addf(x_run, rounded(h_run)))
+            totals.append(total)
+            square = arith.mulf(total, total)
+            squares = square if squares is None else arith.addf(squares, square)
+        lane = None
+        for e in range(RUN):
+            item = vector.extract(
+                squares, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e])
+            )
+            lane = item if lane is None else arith.addf(lane, item)
+        warp_total = mgpu_utils.warp_tree_reduce(lane, arith.addf, 32)
+        warp = arith.index_cast(index, arith.divui(tid, c32(32)))
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, c32(32)), c32(0))):
+            memref.store(warp_total, warp_sums, [warp])
+        mgpu_utils.warpgroup_barrier()
+        sum_sq = memref.load(warp_sums, [mgpu_utils.c(0, index)])
+        for w in range(1, THREADS // 32):
+            sum_sq = arith.addf(sum_sq, memref.load(warp_sums, [mgpu_utils.c(w, index)]))
+        mgpu_utils.warpgroup_barrier()  # warp_sums is read before the next row writes it
+        mean = arith.divf(sum_sq, mgpu_utils.c(float(hidden), f32))
+        inv = vector.broadcast(vec(f32), mlir_math.rsqrt(arith.addf(mean, mgpu_utils.c(eps, f32))))
+        store_sum = arith.cmpi(arith.CmpIPredicate.ne, write_sum.registers.item(), c32(0))
+        for col, (_, _, s_run), total in zip(cols, loaded, totals, strict=True):
+            normed = arith.truncf(vec(bf16), arith.mulf(total, arith.mulf(inv, s_run)))
+            vector.store(normed, x_smem, tiled_indices(r, col))
+            with mgpu_utils.when(store_sum):
+                vector.store(arith.truncf(vec(bf16), total), sum_out, [r, col])
+
+    rows(parts, resid, scale, sum_out, x_smem, warp_sums, row, write_sum)
+
+
+def _row_swiglu(gate_up, x_smem, row, part, *, width):
+    """Per-thread code for one row: SwiGLU of columns [part * width, (part + 1) * width) of the
+    intermediate dimension, gate and up each the sum of their partial sums
+    (`gate_up` [S, R, 2, I] float32), rounded to bfloat16 into `x_smem` columns [0, width)."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(
+            plgpu.RefType(),
+            plgpu.RefType(TILED),
+            plgpu.Layout.WG_SPLAT(shape=()),
+            plgpu.Layout.WG_SPLAT(shape=()),
+        )
+    )
+    def rows(ctx, gate_up, x_smem, row, part):
+        del ctx
+        num_parts = ir.MemRefType(gate_up.type).shape[0]
+        i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
+        bf16 = ir.BF16Type.get()
+        vec = ir.VectorType.get([RUN], f32)
+        c32 = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+        r = arith.index_cast(index, row.registers.item())
+        base = arith.muli(part.registers.item(), c32(width))
+        tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
+        runs = []
+        for k in range(-(-width // (RUN * THREADS))):
+            local = arith.muli(arith.addi(tid, c32(k * THREADS)), c32(RUN))
+            valid = arith.cmpi(arith.CmpIPredicate.ult, local, c32(width))
+            local = arith.minui(local, c32(width - RUN))
+            col = arith.index_cast(index, arith.addi(base, local))
+            sums = []
+            for which in range(2):
+                terms = [
+                    vector.load(
+                        vec, gate_up, [mgpu_utils.c(s, index), r, mgpu_utils.c(which, index), col]
+                    )
+                    for s in range(num_parts)
+                ]
+                total = terms[0]
+                for term in terms[1:]:
+                    total = arith.addf(total, term)
+                sums.append(total)
+            runs.append((valid, local, sums))
+        one = vector.broadcast(vec, mgpu_utils.c(1.0, f32))
+        for valid, local, (gate, up) in runs:
+            sig = arith.divf(one, arith.addf(one, mlir_math.exp(arith.negf(gate))))
+            act = arith.truncf(
+                ir.VectorType.get([RUN], bf16), arith.mulf(arith.mulf(gate, sig), up)
+            )
+            with mgpu_utils.when(valid):
+                vector.store(act, x_smem, tiled_indices(r, arith.index_cast(index, local)))
+
+    rows(gate_up, x_smem, row, part)
+
+
+def _store_transposed(acc, y_smem):
+    """y_smem [R, 64] = acc.T for a float32 `wgmma` accumulator [64, R]: per-thread scalar
+    stores (4 a thread at R = 8), since Pallas' transposed store of it fails Mosaic GPU's
+    layout inference (the bfloat16 one, which `layer_stream` uses, does not)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(ctx, acc, y_smem):
+        del ctx
+        acc.foreach(lambda value, idx: memref.store(value, y_smem, [idx[1], idx[0]]))
+
+    store(acc, y_smem)
+
+
+def layer(
+    attn, x, w, scale_mlp, scale_next, counters, *, parity, real_rows=ROWS, stages=4, shape=Shape()
+):
+    """One layer after attention. attn [R, Hq*D] and x [R, hidden] bfloat16 (R = `ROWS`; rows
+    at or past the real ones zero in attn), w from `arrange`, the two norms' scales [hidden],
+    `counters` a `jax.new_ref` of [2, 3] int32 (see `probes.layer_stream.stream_ws`). The
+    norms and SwiGLU run for the first `real_rows` rows only (the rest stay zero in the next
+    phase's x). Returns h2 [R, hidden] bfloat16 (the residual after the MLP; rows past
+    `real_rows` undefined) and the next layer's qkv as float32 partial sums [2, R, qkv]."""
+    rows = attn.shape[0]
+    assert rows == ROWS and attn.shape[1] == shape.heads_dim and x.shape == (rows, shape.hidden)
+    num_programs = device_num_sms()
+    sched = Schedule(shape, num_programs)
+    ps = sched.phases
+    # x's shared memory holds one part of the intermediate dimension in the down phase.
+    assert ps[2].units <= num_programs and min(p.units for p in ps) >= num_programs - 4
+    f32 = jnp.float32
+    width = shape.inter // ps[2].parts
+    x_cols = max(shape.heads_dim, shape.hidden, width)
+
+    def body(attn_ref, x_ref, w_ref, s_mlp_ref, s_next_ref, counters_ref, *refs):
+        h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, x_smem, y_smem, warp_sums, a_barrier = refs
+        program = lax.axis_index("program")
+        info, local = sched.plan(program)
+        count = local[-1]
+
+        @pl.when(program == 0)
+        def _():
+            for b in range(len(ps) - 1):
+                counters_ref[1 - parity, b] = jnp.int32(0)
+
+        plgpu.copy_gmem_to_smem(attn_ref, x_smem.at[:, pl.ds(0, shape.heads_dim)], a_barrier)
+        plgpu.barrier_wait(a_barrier)
+
+        def prologue(j):
+            """What a program does after barrier j - 1, before phase j's first product."""
+            if j == 1 or j == 3:
+                scale = s_mlp_ref if j == 1 else s_next_ref
+                parts, resid = (o_ref, x_ref) if j == 1 else (d_ref, h_ref)
+                out = h_ref if j == 1 else h2_ref
+                for r in range(real_rows):
+                    _row_norm(
+                        parts,
+                        resid,
+                        scale,
+                        out,
+                        x_smem,
+                        warp_sums,
+                        jnp.int32(r),
+                        eps=EPS,
+                        write_sum=(program == 0).astype(jnp.int32),
+                    )
+            else:
+                first, n = info[2]
+
+                @pl.when(n > 0)
+                def _():
+                    for r in range(real_rows):
+                        _row_swiglu(
+                            gu_ref, x_smem, jnp.int32(r), lax.rem(first, ps[2].parts), width=width
+                        )
+
+            plgpu.commit_smem()
+
+        def step(indices, w_smem, acc):
+            (i,) = indices
+            live = i < count
+            for b in range(len(ps) - 1):
+
+                @pl.when(i == local[b + 1])
+                @jax.named_scope(f"barrier{b}")
+                def _(b=b):
+                    plgpu.wait_smem_to_gmem(0)
+                    proxy_fence()
+                    grid_barrier(counters_ref, parity, b, num_programs)
+                    proxy_fence()
+                    prologue(b + 1)
+
+            at = sched.locate(i, info, local)
+            phase, part, tile = at["phase"], at["part"], at["tile"]
+            col = pl.multiple_of(at["k_step"] * TILE_K, TILE_K)
+            row = plgpu.broadcasted_iota(jnp.int32, (TILE_N, rows), 0, layout=plgpu.Layout.WGMMA)
+
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, w_smem.T, x_smem.at[:, pl.ds(col, TILE_K)].T)
+
+            acc = jnp.where(
+                row < jnp.where(live, TILE_N, 0), pl.run_state(mma)(plgpu.ACC.init(acc)), acc
+            )
+            ends = live & at["ends"]
+
+            @pl.when(ends)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                _store_transposed(acc, y_smem)
+                plgpu.commit_smem()
+                cols = pl.ds(tile * TILE_N, TILE_N)
+                for j, dest in enumerate((o_ref, None, d_ref, qkv_ref)):
+                    if dest is not None:
+                        pl.when(phase == j)(
+                            lambda dest=dest: plgpu.copy_smem_to_gmem(
+                                y_smem, dest.at[part, :, cols]
+                            )
+                        )
+                pl.when(phase == 1)(
+                    lambda: plgpu.copy_smem_to_gmem(y_smem, gu_ref.at[part, :, at["which"], cols])
+                )
+
+            return jnp.where(row < jnp.where(ends, 0, TILE_N), acc, jnp.zeros_like(acc))
+
+        zero = plgpu.layout_cast(jnp.zeros((TILE_N, rows), f32), plgpu.Layout.WGMMA)
+        plgpu.emit_pipeline(
+            step,
+            grid=(sched.max_count,),
+            in_specs=[
+                plgpu.BlockSpec(
+                    (TILE_K, TILE_N),
+                    lambda i: (sched.locate(i, info, local)["tile_row"], 0),
+                    transforms=TILED,
+                )
+            ],
+            max_concurrent_steps=stages,
+            init_carry=zero,
+        )(w_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    out_types = (
+        jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
+        jax.ShapeDtypeStruct((ps[3].parts, rows, shape.qkv), f32),
+        jax.ShapeDtypeStruct((ps[0].parts, rows, shape.hidden), f32),
+        jax.ShapeDtypeStruct((ps[1].parts, rows, 2, shape.inter), f32),
+        jax.ShapeDtypeStruct((ps[2].parts, rows, shape.hidden), f32),
+        jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
+    )
+    h2, qkv, *_ = plgpu.kernel(
+        body,
+        out_type=out_types,
+        grid=(num_programs,),
+        grid_names=("program",),
+        scratch_types=(
+            plgpu.SMEM((rows, x_cols), x.dtype, transforms=TILED),
+            plgpu.SMEM((rows, TILE_N), f32),
+            plgpu.SMEM((THREADS // 32,), f32),
+            plgpu.Barrier(),
+        ),
+        kernel_name="layer_kernel",
+    )(attn, x, w, scale_mlp, scale_next, counters)
+    return h2, qkv
+
+
+def _select(values, index):
+    """values[index] for a static list of ints and a traced index."""
+    out = jnp.int32(values[0])
+    for j, v in enumerate(values[1:], 1):
+        out = jnp.where(index == j, jnp.int32(v), out)
+    return out
+
+
+def _select_traced(values, index):
+    out = values[0]
+    for j, v in enumerate(values[1:], 1):
+        out = jnp.where(index == j, v, out)
+    return out
+
+
+def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shape=Shape()):
+    """The kernel's work, as `Schedule` deals it, in NumPy (float32 products of the bfloat16
+    tiles; the norms and SwiGLU as the per-thread code computes them): what the CPU can check
+    of the kernel's index arithmetic, its weight order (`arrange`) and its stores. Raises if
+    an output element is written twice or not at all. Returns (h2, qkv partial sums) as
+    `layer` does, for the first `real_rows` rows."""
+    sched = Schedule(shape, num_programs)
+    ps = sched.phases
+    tiles = np.asarray(w, np.float32).reshape(-1, TILE_K, TILE_N)
+    programs = jnp.arange(num_programs)
+    info, local = sched.plan(programs)
+    its = jnp.arange(sched.max_count)
+    at = sched.locate(
+        its[None, :], [(f[:, None], n[:, None]) for f, n in info], [v[:, None] for v in local]
+    )
+    at = {k: np.asarray(v) for k, v in at.items()}
+    live = np.asarray(its[None, :] < local[-1][:, None])
+    f32 = np.float32
+    rows = real_rows
+
+    def bf16(v):
+        return np.asarray(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+
+    def norm(h, scale):
+        inv = 1 / np.sqrt((h * h).mean(-1, keepdims=True) + EPS)
+        return bf16(h * (inv * np.asarray(scale, f32)))
+
+    outs = [np.zeros((p.parts, rows, 2 if p.pair else 1, p.cols), f32) for p in ps]
+    written = [np.zeros(o.shape, np.int32) for o in outs]
+    xs = {}  # the phase's x a program multiplies (down: its part of act)
+    xs[0] = np.asarray(attn, f32)[:rows]
+    for j, p in enumerate(ps):
+        if j == 1:
+            o = bf16(outs[0].sum(0)[:, 0])
+            h = bf16(np.asarray(x, f32)[:rows] + o)
+            xs[1] = norm(h, scale_mlp)
+        if j == 3:
+            d = bf16(outs[2].sum(0)[:, 0])
+            h2 = bf16(h + d)
+            xs[3] = norm(h2, scale_next)
+        if j == 2:
+            gate, up = outs[1].sum(0)[:, 0], outs[1].sum(0)[:, 1]
+            act = bf16(gate / (1 + np.exp(-gate)) * up)
+        for prog in range(num_programs):
+            acc = np.zeros((rows, TILE_N), f32)
+            for i in np.nonzero(live[prog] & (at["phase"][prog] == j))[0]:
+                k = at["k_step"][prog, i] * TILE_K
+                if j == 2:
+                    width = shape.inter // p.parts
+                    part = info[2][0][prog] % p.parts
+                    xj = act[:, part * width : (part + 1) * width]
+                else:
+                    xj = xs[j]
+                acc += xj[:, k : k + TILE_K] @ tiles[at["tile_row"][prog, i]]
+                if at["ends"][prog, i]:
+                    part, tile, which = (at[n][prog, i] for n in ("part", "tile", "which"))
+                    cols = slice(tile * TILE_N, (tile + 1) * TILE_N)
+                    outs[j][part, :, which if p.pair else 0, cols] = acc
+                    written[j][part, :, which if p.pair else 0, cols] += 1
+                    acc = np.zeros_like(acc)
+    for j, n in enumerate(written):
+        if not (n == 1).all():
+            raise AssertionError(f"phase {j}: outputs written {np.unique(n)} times")
+    return h2, outs[3][:, :, 0]
+
+
+def reference(attn, x, wo, w_gate, w_up, wd, wqkv, scale_mlp, scale_next, *, eps=EPS):
+    """The same layer as the decode step computes it (`jaxpaged.add_rms_norm`,
+    `models.decoder.MLP` for small steps), in XLA: returns h2 and qkv (summed, float32)."""
+
+    def norm(h):
+        h32 = h.astype(jnp.float32)
+        return h32 * lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True) + eps)
+
+    def dot(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    h = (x + dot(attn, wo).astype(x.dtype)).astype(x.dtype)
+    normed = (norm(h) * scale_mlp.astype(jnp.float32)).astype(x.dtype)
+    act = (jax.nn.silu(dot(normed, w_gate)) * dot(normed, w_up)).astype(x.dtype)
+    h2 = h + dot(act, wd).astype(x.dtype)
+    normed = (norm(h2) * scale_next.astype(jnp.float32)).astype(x.dtype)
+    return h2, dot(normed, wqkv)
+
+
+def looped(fn, loops=10):
+    """`fn(x, state)` `loops` times in one while loop in one command buffer, each repeat's x
+    its predecessor's output (as `probes.layer_stream.looped`)."""
+
+    def run(x, state):
+        return lax.fori_loop(0, loops, lambda _, x: fn(x, state), x)
+
+    return jax.jit(run, compiler_options=GRAPH_OPTIONS)
+
+
+def check_layer(attn, x, w, scales, *, real_rows):
+    counters = jax.new_ref(jnp.zeros((2, 3), jnp.int32))
+    return layer(attn, x, w, *scales, counters, parity=0, real_rows=real_rows)
+
+
+def kernel_layers(x, state, real_rows=ROWS, stages=4):
+    """The layers chained, each one's h2 the next one's x (rows past `real_rows` undefined)."""
+    attn, arranged, scales = state
+    counters = jax.new_ref(jnp.zeros((2, 3), jnp.int32))
+    for n, (w, (s_mlp, s_next)) in enumerate(zip(arranged, scales, strict=True)):
+        x, _ = layer(
+            attn, x, w, s_mlp, s_next, counters, parity=n % 2, real_rows=real_rows, stages=stages
+        )
+    return x
+
+
+def xla_layers(x, state):
+    attn, raw, scales = state
+    for (wo, wg, wu, wd, wqkv), (s_mlp, s_next) in zip(raw, scales, strict=True):
+        x, _ = reference(attn, x, wo, wg, wu, wd, wqkv, s_mlp, s_next)
+    return x
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[1])
+    parser.add_argument("--stages", type=int, nargs="+", default=[4])
+    parser.add_argument(
+        "--simulate", action="store_true", help="only `simulate` against `reference` (a CPU)"
+    )
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    shape = Shape()
+    keys = map(functools.partial(jax.random.fold_in, jax.random.key(0)), itertools.count())
+    dt = jnp.bfloat16
+
+    def normal(shape_, scale):
+        return (jax.random.normal(next(keys), shape_, jnp.float32) * scale).astype(dt)
+
+    def rel_err(got, want):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        if not np.isfinite(got).all():
+            return float("nan")
+        return float(np.abs(got - want).max() / np.abs(want).max())
+
+    layers = 1 if args.simulate else LAYERS
+    raw = [
+        (
+            normal((shape.heads_dim, shape.hidden), shape.heads_dim**-0.5),
+            normal((shape.hidden, shape.inter), shape.hidden**-0.5),
+            normal((shape.hidden, shape.inter), shape.hidden**-0.5),
+            normal((shape.inter, shape.hidden), shape.inter**-0.5),
+            normal((shape.hidden, shape.qkv), shape.hidden**-0.5),
+        )
+        for _ in range(layers)
+    ]
+    scales = [(1 + normal((shape.hidden,), 0.1), 1 + normal((shape.hidden,), 0.1)) for _ in raw]
+    arranged = [jax.jit(arrange)(*w) for w in raw]
+    cases = []
+    for real in args.rows:
+        attn = (
+            jnp.zeros((ROWS, shape.heads_dim), dt)
+            .at[:real]
+            .set(normal((real, shape.heads_dim), 1.0))
+        )
+        x = jnp.zeros((ROWS, shape.hidden), dt).at[:real].set(normal((real, shape.hidden), 1.0))
+        want_h2, want_qkv = reference(attn[:real], x[:real], *raw[0], *scales[0])
+        check = dict(case="simulate" if args.simulate else "check", rows=real)
+        try:
+            if args.simulate:
+                h2, qkv = simulate(
+                    attn, x, arranged[0], *scales[0], num_programs=132, real_rows=real
+                )
+            else:
+                fn = jax.jit(functools.partial(check_layer, real_rows=real))
+                h2, qkv = fn(attn, x, arranged[0], scales[0])
+                again = fn(attn, x, arranged[0], scales[0])
+                check["repeat_equal"] = bool(
+                    (np.asarray(again[1]) == np.asarray(qkv)).all()
+                    and (np.asarray(again[0]) == np.asarray(h2)).all()
+                )
+            # bfloat16 outputs: a few ulps of rounding apart (sums in another order).
+            check["h2_rel_err"] = rel_err(h2[:real], want_h2)
+            check["qkv_rel_err"] = rel_err(np.asarray(qkv).sum(0)[:real], want_qkv)
+            if not args.simulate:  # 16 layers chained, both ways: their drift apart
+                got = jax.jit(functools.partial(kernel_layers, real_rows=real))(
+                    x, (attn, arranged, scales)
+                )
+                want = jax.jit(xla_layers)(x[:real], (attn[:real], raw, scales))
+                check["chain_rel_err"] = rel_err(got[:real], want)
+        except Exception as e:  # noqa: BLE001 - a probe records and goes on
+            check["error"] = error_text(e)
+        print(json.dumps(check), flush=True)
+        cases.append(check)
+        if args.simulate:
+            continue
+        for name, stages in [("kernel", s) for s in args.stages] + [("xla", None)]:
+            case = dict(case=name, rows=real, stages=stages)
+            try:
+                if name == "kernel":
+                    fn = jax.jit(functools.partial(kernel_layers, real_rows=real, stages=stages))
+                    args_ = (x, (attn, arranged, scales))
+                else:
+                    fn, args_ = jax.jit(xla_layers), (x[:real], (attn[:real], raw, scales))
+                jax.block_until_ready(fn(*args_))
+                case["us_per_layer"] = kernel_time_ms(fn, *args_) * 1e3 / LAYERS
+                case["wall_us_per_layer"] = step_time_ms(looped(fn), *args_) * 1e3 / (10 * LAYERS)
+            except Exception as e:  # noqa: BLE001 - a probe records and goes on
+                case["error"] = error_text(e)
+            print(json.dumps(case), flush=True)
+            cases.append(case)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(environment(), probe="layer_kernel", cases=cases), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
