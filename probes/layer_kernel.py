@@ -379,8 +379,8 @@ def layer(
             for b in range(len(ps) - 1):
                 counters_ref[1 - parity, b] = jnp.int32(0)
 
+        # The attention output comes in beside the first weight tiles; o's first product waits.
         plgpu.copy_gmem_to_smem(attn_ref, x_smem.at[:, pl.ds(0, shape.heads_dim)], a_barrier)
-        plgpu.barrier_wait(a_barrier)
 
         def prologue(j):
             """What a program does after barrier j - 1, before phase j's first product."""
@@ -415,6 +415,7 @@ def layer(
         def step(indices, w_smem, acc):
             (i,) = indices
             live = i < count
+            pl.when(i == 0)(lambda: plgpu.barrier_wait(a_barrier))
             for b in range(len(ps) - 1):
 
                 @pl.when(i == local[b + 1])
