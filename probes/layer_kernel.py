@@ -30,9 +30,11 @@ ref that outlives the call (`probes.layer_stream.grid_barrier`), so no memset pr
 Cases, per layer (16 layers, each with its own weights, past the 60 MB L2), CUPTI and the wall
 time in a graphed loop:
   - `kernel`: the kernel, each layer's h2 the next one's x (the attention output held fixed);
+  - `kernel_bare`: the same without the norms and SwiGLU (wrong numbers; what they cost);
   - `xla`: the same arithmetic as the decode step computes it (split-K partial sums, the norms
     and SwiGLU in XLA).
-Layer 0 of both is checked against `reference` first.
+Layer 0 of both is checked against `reference` first. `--profile-dir` traces one call's
+barriers and prologues in every program (Mosaic GPU's in-kernel profiler).
 
     python -m probes.layer_kernel --rows 1 2 --out results.json
     python -m probes.layer_kernel --simulate --rows 1 2   # on a CPU: `simulate` only
@@ -43,8 +45,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import glob
 import itertools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from benchmarks.common import environment, error_text, kernel_time_ms, step_time_ms
 from pallas_kernels.common import device_num_sms
 from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
-from probes.layer_stream import GRAPH_OPTIONS, grid_barrier, proxy_fence
+from probes.layer_stream import GRAPH_OPTIONS, barrier_trace, grid_barrier, proxy_fence
 
 TILE_N, TILE_K = 64, 128
 ROWS = 8  # the padded rows: x is `wgmma`'s N
@@ -349,14 +353,30 @@ def _store_transposed(acc, y_smem):
 
 
 def layer(
-    attn, x, w, scale_mlp, scale_next, counters, *, parity, real_rows=ROWS, stages=4, shape=Shape()
+    attn,
+    x,
+    w,
+    scale_mlp,
+    scale_next,
+    counters,
+    *,
+    parity,
+    real_rows=ROWS,
+    stages=4,
+    prologues=True,
+    profile_dir=None,
+    shape=Shape(),
 ):
     """One layer after attention. attn [R, Hq*D] and x [R, hidden] bfloat16 (R = `ROWS`; rows
     at or past the real ones zero in attn), w from `arrange`, the two norms' scales [hidden],
     `counters` a `jax.new_ref` of [2, 3] int32 (see `probes.layer_stream.stream_ws`). The
     norms and SwiGLU run for the first `real_rows` rows only (the rest stay zero in the next
     phase's x). Returns h2 [R, hidden] bfloat16 (the residual after the MLP; rows past
-    `real_rows` undefined) and the next layer's qkv as float32 partial sums [2, R, qkv]."""
+    `real_rows` undefined) and the next layer's qkv as float32 partial sums [2, R, qkv].
+
+    Diagnostics: without `prologues` the programs skip the norms and SwiGLU (wrong numbers,
+    what they cost); `profile_dir` traces each program's "kernel", "barrier{b}" and
+    "prologue{j}" regions (Mosaic GPU's in-kernel profiler, `barrier_trace` reads them)."""
     rows = attn.shape[0]
     assert rows == ROWS and attn.shape[1] == shape.heads_dim and x.shape == (rows, shape.hidden)
     num_programs = device_num_sms()
@@ -384,6 +404,8 @@ def layer(
 
         def prologue(j):
             """What a program does after barrier j - 1, before phase j's first product."""
+            if not prologues:
+                return
             if j == 1 or j == 3:
                 scale = s_mlp_ref if j == 1 else s_next_ref
                 parts, resid = (o_ref, x_ref) if j == 1 else (d_ref, h_ref)
@@ -419,13 +441,14 @@ def layer(
             for b in range(len(ps) - 1):
 
                 @pl.when(i == local[b + 1])
-                @jax.named_scope(f"barrier{b}")
                 def _(b=b):
-                    plgpu.wait_smem_to_gmem(0)
-                    proxy_fence()
-                    grid_barrier(counters_ref, parity, b, num_programs)
-                    proxy_fence()
-                    prologue(b + 1)
+                    with jax.named_scope(f"barrier{b}"):
+                        plgpu.wait_smem_to_gmem(0)
+                        proxy_fence()
+                        grid_barrier(counters_ref, parity, b, num_programs)
+                        proxy_fence()
+                    with jax.named_scope(f"prologue{b + 1}"):
+                        prologue(b + 1)
 
             at = sched.locate(i, info, local)
             phase, part, tile = at["phase"], at["part"], at["tile"]
@@ -460,19 +483,20 @@ def layer(
             return jnp.where(row < jnp.where(ends, 0, TILE_N), acc, jnp.zeros_like(acc))
 
         zero = plgpu.layout_cast(jnp.zeros((TILE_N, rows), f32), plgpu.Layout.WGMMA)
-        plgpu.emit_pipeline(
-            step,
-            grid=(sched.max_count,),
-            in_specs=[
-                plgpu.BlockSpec(
-                    (TILE_K, TILE_N),
-                    lambda i: (sched.locate(i, info, local)["tile_row"], 0),
-                    transforms=TILED,
-                )
-            ],
-            max_concurrent_steps=stages,
-            init_carry=zero,
-        )(w_ref)
+        with jax.named_scope("kernel"):
+            plgpu.emit_pipeline(
+                step,
+                grid=(sched.max_count,),
+                in_specs=[
+                    plgpu.BlockSpec(
+                        (TILE_K, TILE_N),
+                        lambda i: (sched.locate(i, info, local)["tile_row"], 0),
+                        transforms=TILED,
+                    )
+                ],
+                max_concurrent_steps=stages,
+                init_carry=zero,
+            )(w_ref)
         plgpu.wait_smem_to_gmem(0)
 
     out_types = (
@@ -495,6 +519,9 @@ def layer(
             plgpu.Barrier(),
         ),
         kernel_name="layer_kernel",
+        compiler_params=plgpu.CompilerParams(
+            **(dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {})
+        ),
     )(attn, x, w, scale_mlp, scale_next, counters)
     return h2, qkv
 
@@ -614,14 +641,13 @@ def check_layer(attn, x, w, scales, *, real_rows):
     return layer(attn, x, w, *scales, counters, parity=0, real_rows=real_rows)
 
 
-def kernel_layers(x, state, real_rows=ROWS, stages=4):
-    """The layers chained, each one's h2 the next one's x (rows past `real_rows` undefined)."""
+def kernel_layers(x, state, **kw):
+    """The layers chained, each one's h2 the next one's x (rows past `real_rows` undefined);
+    `kw` as `layer`'s."""
     attn, arranged, scales = state
     counters = jax.new_ref(jnp.zeros((2, 3), jnp.int32))
     for n, (w, (s_mlp, s_next)) in enumerate(zip(arranged, scales, strict=True)):
-        x, _ = layer(
-            attn, x, w, s_mlp, s_next, counters, parity=n % 2, real_rows=real_rows, stages=stages
-        )
+        x, _ = layer(attn, x, w, s_mlp, s_next, counters, parity=n % 2, **kw)
     return x
 
 
@@ -632,6 +658,30 @@ def xla_layers(x, state):
     return x
 
 
+def traced(profile_dir, real, x, state):
+    """One profiled call of the 16 chained layers: per named region, the medians over the
+    layers of `barrier_trace`'s figures."""
+    directory = os.path.join(profile_dir, f"rows{real}")
+    os.makedirs(directory, exist_ok=True)
+    summary = dict(case="trace", rows=real)
+    try:
+        fn = jax.jit(functools.partial(kernel_layers, real_rows=real, profile_dir=directory))
+        jax.block_until_ready(fn(x, state))
+        reports = [
+            barrier_trace(path)
+            for path in sorted(glob.glob(os.path.join(directory, "*.json")))[-LAYERS:]
+        ]
+        for name in reports[0]:
+            for key in reports[0][name]:
+                values = sorted(r[name][key] for r in reports if r[name][key] is not None)
+                if values:
+                    summary[f"{name}.{key}"] = values[len(values) // 2]
+    except Exception as e:  # noqa: BLE001 - a probe records and goes on
+        summary["error"] = error_text(e)
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
@@ -639,6 +689,10 @@ def main():
     parser.add_argument(
         "--simulate", action="store_true", help="only `simulate` against `reference` (a CPU)"
     )
+    parser.add_argument(
+        "--cases", nargs="+", default=["kernel", "kernel_bare", "xla"], help="timed cases"
+    )
+    parser.add_argument("--profile-dir", help="also trace one call of the kernel per row count")
     parser.add_argument("--out")
     args = parser.parse_args()
     shape = Shape()
@@ -705,14 +759,20 @@ def main():
         cases.append(check)
         if args.simulate:
             continue
-        for name, stages in [("kernel", s) for s in args.stages] + [("xla", None)]:
+        runs = [
+            (name, stages if name != "xla" else None)
+            for name in args.cases
+            for stages in (args.stages if name != "xla" else [None])
+        ]
+        for name, stages in runs:
             case = dict(case=name, rows=real, stages=stages)
             try:
-                if name == "kernel":
-                    fn = jax.jit(functools.partial(kernel_layers, real_rows=real, stages=stages))
-                    args_ = (x, (attn, arranged, scales))
-                else:
+                if name == "xla":
                     fn, args_ = jax.jit(xla_layers), (x[:real], (attn[:real], raw, scales))
+                else:
+                    kw = dict(real_rows=real, stages=stages, prologues=name == "kernel")
+                    fn = jax.jit(functools.partial(kernel_layers, **kw))
+                    args_ = (x, (attn, arranged, scales))
                 jax.block_until_ready(fn(*args_))
                 case["us_per_layer"] = kernel_time_ms(fn, *args_) * 1e3 / LAYERS
                 case["wall_us_per_layer"] = step_time_ms(looped(fn), *args_) * 1e3 / (10 * LAYERS)
@@ -720,6 +780,8 @@ def main():
                 case["error"] = error_text(e)
             print(json.dumps(case), flush=True)
             cases.append(case)
+        if args.profile_dir:
+            cases.append(traced(args.profile_dir, real, x, (attn, arranged, scales)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment(), probe="layer_kernel", cases=cases), f, indent=1)

@@ -534,32 +534,42 @@ def stream_ws(
 
 def barrier_trace(path, sm_ghz=1.98):
     """Per barrier of one profiled call: how far apart the programs arrive (max - min, us),
-    how long after the last arrival they leave (median), and how far apart they leave.
+    how long after the last arrival they leave (median), and how far apart they leave; and for
+    any named region, its median length in a program (`median_us`; each program's pairs of
+    begin and end in order).
 
     The profiler's timestamps are the program's start on the global timer (ns) plus SM clock
     cycles since then; `sm_ghz` turns the cycles into ns (the clock holds 1980 MHz under
     load, NOTES session 7)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    start, spans = {}, {}
+    start, spans, per_program = {}, {}, {}
     for e in events:
         if e["name"] == "kernel" and e["ph"] == "B":
             start[e["tid"]] = e["ts"]
     for e in sorted(events, key=lambda e: e["ts"]):  # else a program's first event starts it
         start.setdefault(e["tid"], e["ts"])
-    for e in events:
+    for e in sorted(events, key=lambda e: e["ts"]):
         t0 = start[e["tid"]]
         real = t0 + (e["ts"] - t0) / sm_ghz
         spans.setdefault((e["name"], e["ph"]), []).append(real)
+        per_program.setdefault((e["name"], e["tid"], e["ph"]), []).append(real)
     report = {}
     for name in sorted({n for n, _ in spans}):
         begin, end = sorted(spans[name, "B"]), sorted(spans[name, "E"])
+        lengths = sorted(
+            b_end - b_begin
+            for (n, tid, ph), begins in per_program.items()
+            if n == name and ph == "B"
+            for b_begin, b_end in zip(begins, per_program.get((n, tid, "E"), []), strict=False)
+        )
         report[name] = dict(
             programs=len(begin),
             arrive_spread_us=begin[-1] - begin[0],
             leave_after_last_arrival_us=end[len(end) // 2] - begin[-1],
             leave_spread_us=end[-1] - end[0],
             first_arrival_us=begin[0] - min(start.values()),
+            median_us=lengths[len(lengths) // 2] if lengths else None,
         )
     return report
 
