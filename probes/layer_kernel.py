@@ -62,11 +62,13 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.common import environment, error_text, kernel_time_ms, step_time_ms
-from pallas_kernels.common import device_num_sms
+from pallas_kernels.common import device_num_sms, merge_splits
+from pallas_kernels.mosaic.merge import merge_values
 from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
 from probes.layer_stream import GRAPH_OPTIONS, barrier_trace, grid_barrier, proxy_fence
 
 TILE_N, TILE_K = 64, 128
+HEAD_DIM = 128  # D of the attention states o's prologue merges
 ROWS = 8  # the padded rows: x is `wgmma`'s N
 LAYERS = 16
 EPS = 1e-6
@@ -339,6 +341,48 @@ def _row_swiglu(gate_up, x_smem, row, part, *, width):
     rows(gate_up, x_smem, row, part)
 
 
+def _row_merge(outs, lses, x_smem, row, part):
+    """Per-thread code for one row: the split-KV merge of the 4 heads of o's K part `part`
+    (`pallas_kernels.mosaic.merge.merge_values`), from the decode kernel's unmerged states
+    (`outs` f32[R, splits, Hq, D], `lses` f32[R, splits, Hq]), rounded to bfloat16 into
+    `x_smem` columns [part * 4 D, (part + 1) * 4 D). A thread takes 4 elements of one head."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(
+            plgpu.RefType(),
+            plgpu.RefType(),
+            plgpu.RefType(TILED),
+            plgpu.Layout.WG_SPLAT(shape=()),
+            plgpu.Layout.WG_SPLAT(shape=()),
+        )
+    )
+    def rows(ctx, outs, lses, x_smem, row, part):
+        del ctx
+        _, num_splits, _, head_dim = ir.MemRefType(outs.type).shape
+        i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
+        c32 = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+        r = arith.index_cast(index, row.registers.item())
+        tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
+        threads_per_head = head_dim // RUN
+        local_head = arith.divui(tid, c32(threads_per_head))
+        head = arith.addi(
+            arith.muli(part.registers.item(), c32(THREADS // threads_per_head)), local_head
+        )
+        col = arith.muli(arith.remui(tid, c32(threads_per_head)), c32(RUN))
+        head_i, col_i = arith.index_cast(index, head), arith.index_cast(index, col)
+        splits = [mgpu_utils.c(s, index) for s in range(num_splits)]
+        split_lses = [memref.load(lses, [r, s, head_i]) for s in splits]
+        values = [
+            vector.load(ir.VectorType.get([RUN], f32), outs, [r, s, head_i, col_i]) for s in splits
+        ]
+        merged, _ = merge_values(split_lses, values)
+        merged = arith.truncf(ir.VectorType.get([RUN], ir.BF16Type.get()), merged)
+        x_col = arith.addi(arith.muli(head, c32(head_dim)), col)
+        vector.store(merged, x_smem, tiled_indices(r, arith.index_cast(index, x_col)))
+
+    rows(outs, lses, x_smem, row, part)
+
+
 def _store_transposed(acc, y_smem):
     """y_smem [R, 64] = acc.T for a float32 `wgmma` accumulator [64, R]: per-thread scalar
     stores (4 a thread at R = 8), since Pallas' transposed store of it fails Mosaic GPU's
@@ -368,7 +412,9 @@ def layer(
     shape=Shape(),
 ):
     """One layer after attention. attn [R, Hq*D] and x [R, hidden] bfloat16 (R = `ROWS`; rows
-    at or past the real ones zero in attn), w from `arrange`, the two norms' scales [hidden],
+    at or past the real ones zero in attn), or attn the decode kernel's unmerged states
+    (f32[R, splits, Hq, D] outputs, f32[R, splits, Hq] LSEs), which o's programs merge
+    themselves; w from `arrange`, the two norms' scales [hidden],
     `counters` a `jax.new_ref` of [2, 3] int32 (see `probes.layer_stream.stream_ws`). The
     norms and SwiGLU run for the first `real_rows` rows only (the rest stay zero in the next
     phase's x). Returns h2 [R, hidden] bfloat16 (the residual after the MLP; rows past
@@ -377,6 +423,11 @@ def layer(
     Diagnostics: without `prologues` the programs skip the norms and SwiGLU (wrong numbers,
     what they cost); `profile_dir` traces each program's "kernel", "barrier{b}" and
     "prologue{j}" regions (Mosaic GPU's in-kernel profiler, `barrier_trace` reads them)."""
+    states = attn if isinstance(attn, tuple) else ()
+    if states:  # the rows past the real ones come from zeros, the real ones from the merge
+        assert states[0].shape[2:] == (shape.heads_dim // HEAD_DIM, HEAD_DIM)
+        assert shape.heads_dim // phases(shape)[0].parts == THREADS * RUN
+        attn = jnp.zeros((states[0].shape[0], shape.heads_dim), x.dtype)
     rows = attn.shape[0]
     assert rows == ROWS and attn.shape[1] == shape.heads_dim and x.shape == (rows, shape.hidden)
     num_programs = device_num_sms()
@@ -389,6 +440,7 @@ def layer(
     x_cols = max(shape.heads_dim, shape.hidden, width)
 
     def body(attn_ref, x_ref, w_ref, s_mlp_ref, s_next_ref, counters_ref, *refs):
+        state_refs, refs = refs[: len(states)], refs[len(states) :]
         h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, x_smem, y_smem, warp_sums, a_barrier = refs
         program = lax.axis_index("program")
         info, local = sched.plan(program)
@@ -437,7 +489,21 @@ def layer(
         def step(indices, w_smem, acc):
             (i,) = indices
             live = i < count
-            pl.when(i == 0)(lambda: plgpu.barrier_wait(a_barrier))
+
+            @pl.when(i == 0)
+            def _():
+                plgpu.barrier_wait(a_barrier)
+                first, n = info[0]
+                if states and prologues:
+
+                    @pl.when(n > 0)
+                    @jax.named_scope("prologue0")
+                    def _():
+                        part = lax.rem(first, ps[0].parts)
+                        for r in range(real_rows):
+                            _row_merge(*state_refs, x_smem, jnp.int32(r), part)
+                        plgpu.commit_smem()
+
             for b in range(len(ps) - 1):
 
                 @pl.when(i == local[b + 1])
@@ -522,7 +588,7 @@ def layer(
         compiler_params=plgpu.CompilerParams(
             **(dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {})
         ),
-    )(attn, x, w, scale_mlp, scale_next, counters)
+    )(attn, x, w, scale_mlp, scale_next, counters, *states)
     return h2, qkv
 
 
@@ -651,9 +717,27 @@ def kernel_layers(x, state, **kw):
     return x
 
 
-def xla_layers(x, state):
-    attn, raw, scales = state
+def merged(attn, real_rows):
+    """attn [R, Hq*D] bfloat16, or unmerged states merged as the decode step merges them,
+    rows past `real_rows` zero."""
+    if isinstance(attn, tuple):
+        outs, lses = attn
+        out, _ = merge_splits(outs, lses, out_dtype=jnp.bfloat16)  # [R, Hq, D]
+        attn = out.reshape(out.shape[0], -1)
+    keep = jnp.arange(attn.shape[0])[:, None] < real_rows
+    return jnp.where(keep, attn, 0).astype(jnp.bfloat16)
+
+
+def xla_layers(x, state, real_rows=ROWS):
+    """`reference` over the layers, each with the split merge first where attn is unmerged
+    (made to depend on the layer's x, so that XLA merges once a layer, as the step does)."""
+    states, raw, scales = state
     for (wo, wg, wu, wd, wqkv), (s_mlp, s_next) in zip(raw, scales, strict=True):
+        attn = states
+        if isinstance(states, tuple):
+            outs, lses = states
+            attn = (outs, lses + 0 * x[0, 0].astype(lses.dtype))
+        attn = merged(attn, real_rows)[: x.shape[0]]
         x, _ = reference(attn, x, wo, wg, wu, wd, wqkv, s_mlp, s_next)
     return x
 
@@ -692,7 +776,14 @@ def main():
     parser.add_argument(
         "--cases", nargs="+", default=["kernel", "kernel_bare", "xla"], help="timed cases"
     )
-    parser.add_argument("--profile-dir", help="also trace one call of the kernel per row count")
+    parser.add_argument(
+        "--splits",
+        type=int,
+        nargs="+",
+        default=[10],
+        help="the attention output as that many unmerged splits (0: merged, bfloat16)",
+    )
+    parser.add_argument("--profile-dir", help="also trace one call of the kernel per case")
     parser.add_argument("--out")
     args = parser.parse_args()
     shape = Shape()
@@ -722,15 +813,18 @@ def main():
     scales = [(1 + normal((shape.hidden,), 0.1), 1 + normal((shape.hidden,), 0.1)) for _ in raw]
     arranged = [jax.jit(arrange)(*w) for w in raw]
     cases = []
-    for real in args.rows:
-        attn = (
-            jnp.zeros((ROWS, shape.heads_dim), dt)
-            .at[:real]
-            .set(normal((real, shape.heads_dim), 1.0))
-        )
+    for real, splits in itertools.product(args.rows, args.splits):
         x = jnp.zeros((ROWS, shape.hidden), dt).at[:real].set(normal((real, shape.hidden), 1.0))
+        if splits:  # the decode kernel's unmerged states; rows past the real ones unused
+            heads = shape.heads_dim // HEAD_DIM
+            outs = normal((ROWS, splits, heads, HEAD_DIM), 1.0).astype(jnp.float32)
+            lses = 3 * normal((ROWS, splits, heads), 1.0).astype(jnp.float32)
+            attn_in = (outs, lses)
+        else:
+            attn_in = normal((ROWS, shape.heads_dim), 1.0)
+        attn = merged(attn_in, real)
         want_h2, want_qkv = reference(attn[:real], x[:real], *raw[0], *scales[0])
-        check = dict(case="simulate" if args.simulate else "check", rows=real)
+        check = dict(case="simulate" if args.simulate else "check", rows=real, splits=splits)
         try:
             if args.simulate:
                 h2, qkv = simulate(
@@ -738,8 +832,8 @@ def main():
                 )
             else:
                 fn = jax.jit(functools.partial(check_layer, real_rows=real))
-                h2, qkv = fn(attn, x, arranged[0], scales[0])
-                again = fn(attn, x, arranged[0], scales[0])
+                h2, qkv = fn(attn_in, x, arranged[0], scales[0])
+                again = fn(attn_in, x, arranged[0], scales[0])
                 check["repeat_equal"] = bool(
                     (np.asarray(again[1]) == np.asarray(qkv)).all()
                     and (np.asarray(again[0]) == np.asarray(h2)).all()
@@ -749,9 +843,11 @@ def main():
             check["qkv_rel_err"] = rel_err(np.asarray(qkv).sum(0)[:real], want_qkv)
             if not args.simulate:  # 16 layers chained, both ways: their drift apart
                 got = jax.jit(functools.partial(kernel_layers, real_rows=real))(
-                    x, (attn, arranged, scales)
+                    x, (attn_in, arranged, scales)
                 )
-                want = jax.jit(xla_layers)(x[:real], (attn[:real], raw, scales))
+                want = jax.jit(functools.partial(xla_layers, real_rows=real))(
+                    x[:real], (attn_in, raw, scales)
+                )
                 check["chain_rel_err"] = rel_err(got[:real], want)
         except Exception as e:  # noqa: BLE001 - a probe records and goes on
             check["error"] = error_text(e)
@@ -765,14 +861,15 @@ def main():
             for stages in (args.stages if name != "xla" else [None])
         ]
         for name, stages in runs:
-            case = dict(case=name, rows=real, stages=stages)
+            case = dict(case=name, rows=real, splits=splits, stages=stages)
             try:
                 if name == "xla":
-                    fn, args_ = jax.jit(xla_layers), (x[:real], (attn[:real], raw, scales))
+                    fn = jax.jit(functools.partial(xla_layers, real_rows=real))
+                    args_ = (x[:real], (attn_in, raw, scales))
                 else:
                     kw = dict(real_rows=real, stages=stages, prologues=name == "kernel")
                     fn = jax.jit(functools.partial(kernel_layers, **kw))
-                    args_ = (x, (attn, arranged, scales))
+                    args_ = (x, (attn_in, arranged, scales))
                 jax.block_until_ready(fn(*args_))
                 case["us_per_layer"] = kernel_time_ms(fn, *args_) * 1e3 / LAYERS
                 case["wall_us_per_layer"] = step_time_ms(looped(fn), *args_) * 1e3 / (10 * LAYERS)
@@ -781,7 +878,8 @@ def main():
             print(json.dumps(case), flush=True)
             cases.append(case)
         if args.profile_dir:
-            cases.append(traced(args.profile_dir, real, x, (attn, arranged, scales)))
+            trace = traced(args.profile_dir, real, x, (attn_in, arranged, scales))
+            cases.append(dict(trace, splits=splits))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment(), probe="layer_kernel", cases=cases), f, indent=1)

@@ -117,8 +117,6 @@ def _merge_rows(parts, part_lses, out, lse) -> None:
         chunks_per_row = head_dim // _VEC
         num_chunks = num_rows * chunks_per_row
         tid = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(_THREADS, i32))
-        zero, one = mgpu_utils.c(0.0, f32), mgpu_utils.c(1.0, f32)
-        minus_inf = mgpu_utils.c(float("-inf"), f32)
         for i in range(math.ceil(num_chunks / _THREADS)):
             chunk = arith.addi(tid, mgpu_utils.c(i * _THREADS, i32))
 
@@ -129,35 +127,10 @@ def _merge_rows(parts, part_lses, out, lse) -> None:
                 splits = [mgpu_utils.c(s, index) for s in range(num_splits)]
                 lses = [memref.load(part_lses, [s, row]) for s in splits]
                 values = [vector.load(vec_f32, parts, [s, row, col]) for s in splits]
-                m = lses[0]
-                for x in lses[1:]:
-                    m = arith.maximumf(m, x)
-                empty = arith.cmpf(arith.CmpFPredicate.OEQ, m, minus_inf)
-                m_safe = arith.select(empty, zero, m)
-                acc, total = None, zero
-                for x, v in zip(lses, values, strict=True):
-                    # An empty split's weight is exp(-inf) = 0; its output, even NaN, is
-                    # selected away rather than multiplied by 0.
-                    w = mlir_math.exp(arith.subf(x, m_safe))
-                    total = arith.addf(total, w)
-                    visible = arith.cmpf(arith.CmpFPredicate.OGT, w, zero)
-                    term = arith.mulf(vector.broadcast(vec_f32, w), v)
-                    term = arith.select(
-                        vector.broadcast(
-                            ir.VectorType.get([_VEC], ir.IntegerType.get_signless(1)), visible
-                        ),
-                        term,
-                        vector.broadcast(vec_f32, zero),
-                    )
-                    acc = term if acc is None else arith.addf(acc, term)
-                no_key = arith.cmpf(arith.CmpFPredicate.OEQ, total, zero)
-                scale = arith.divf(one, arith.select(no_key, one, total))
-                merged = arith.mulf(acc, vector.broadcast(vec_f32, scale))
+                merged, row_lse = merge_values(lses, values)
                 if out_type != f32:
                     merged = arith.truncf(vec_out, merged)
                 vector.store(merged, out, [row, col])
-                row_lse = arith.addf(m_safe, mlir_math.log(arith.select(no_key, one, total)))
-                row_lse = arith.select(no_key, minus_inf, row_lse)
                 first = arith.cmpi(arith.CmpIPredicate.eq, col_chunk, mgpu_utils.c(0, i32))
                 with mgpu_utils.when(first):
                     memref.store(row_lse, lse, [row])
@@ -170,3 +143,38 @@ def _merge_rows(parts, part_lses, out, lse) -> None:
                     merge_chunk()
 
     merge(parts, part_lses, out, lse)
+
+
+def merge_values(lses, values):
+    """Per-thread code: the merge of one run of elements over the splits, from each split's
+    LSE (f32 scalars) and its run of normalized outputs (f32 vectors); returns the merged run
+    (f32) and the row's LSE. An empty split (LSE -inf) weighs exp(-inf) = 0, and its output,
+    even NaN, is selected away rather than multiplied by 0; with every split empty the run is
+    0 and the LSE -inf."""
+    f32 = ir.F32Type.get()
+    vec_f32 = values[0].type
+    width = ir.VectorType(vec_f32).shape[0]
+    zero, one = mgpu_utils.c(0.0, f32), mgpu_utils.c(1.0, f32)
+    minus_inf = mgpu_utils.c(float("-inf"), f32)
+    m = lses[0]
+    for x in lses[1:]:
+        m = arith.maximumf(m, x)
+    empty = arith.cmpf(arith.CmpFPredicate.OEQ, m, minus_inf)
+    m_safe = arith.select(empty, zero, m)
+    acc, total = None, zero
+    for x, v in zip(lses, values, strict=True):
+        w = mlir_math.exp(arith.subf(x, m_safe))
+        total = arith.addf(total, w)
+        visible = arith.cmpf(arith.CmpFPredicate.OGT, w, zero)
+        term = arith.mulf(vector.broadcast(vec_f32, w), v)
+        term = arith.select(
+            vector.broadcast(ir.VectorType.get([width], ir.IntegerType.get_signless(1)), visible),
+            term,
+            vector.broadcast(vec_f32, zero),
+        )
+        acc = term if acc is None else arith.addf(acc, term)
+    no_key = arith.cmpf(arith.CmpFPredicate.OEQ, total, zero)
+    scale = arith.divf(one, arith.select(no_key, one, total))
+    merged = arith.mulf(acc, vector.broadcast(vec_f32, scale))
+    row_lse = arith.addf(m_safe, mlir_math.log(arith.select(no_key, one, total)))
+    return merged, arith.select(no_key, minus_inf, row_lse)
