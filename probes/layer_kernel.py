@@ -30,7 +30,8 @@ ref that outlives the call (`probes.layer_stream.grid_barrier`), so no memset pr
 Cases, per layer (16 layers, each with its own weights, past the 60 MB L2), CUPTI and the wall
 time in a graphed loop:
   - `kernel`: the kernel, each layer's h2 the next one's x (the attention output held fixed);
-  - `kernel_bare`: the same without the norms and SwiGLU (wrong numbers; what they cost);
+  - `kernel_bare`: the same without the merge, norms and SwiGLU (wrong numbers; what they
+    cost), and `kernel_free` without the barriers too (the schedule's weight stream alone);
   - `xla`: the same arithmetic as the decode step computes it (split-K partial sums, the norms
     and SwiGLU in XLA).
 Layer 0 of both is checked against `reference` first. `--profile-dir` traces one call's
@@ -408,6 +409,7 @@ def layer(
     real_rows=ROWS,
     stages=4,
     prologues=True,
+    barriers=True,
     profile_dir=None,
     shape=Shape(),
 ):
@@ -420,8 +422,9 @@ def layer(
     phase's x). Returns h2 [R, hidden] bfloat16 (the residual after the MLP; rows past
     `real_rows` undefined) and the next layer's qkv as float32 partial sums [2, R, qkv].
 
-    Diagnostics: without `prologues` the programs skip the norms and SwiGLU (wrong numbers,
-    what they cost); `profile_dir` traces each program's "kernel", "barrier{b}" and
+    Diagnostics: without `prologues` the programs skip the merge, the norms and SwiGLU, and
+    without `barriers` the grid barriers too (wrong numbers both, what they cost);
+    `profile_dir` traces each program's "kernel", "barrier{b}" and
     "prologue{j}" regions (Mosaic GPU's in-kernel profiler, `barrier_trace` reads them)."""
     states = attn if isinstance(attn, tuple) else ()
     if states:  # the rows past the real ones come from zeros, the real ones from the merge
@@ -508,11 +511,12 @@ def layer(
 
                 @pl.when(i == local[b + 1])
                 def _(b=b):
-                    with jax.named_scope(f"barrier{b}"):
-                        plgpu.wait_smem_to_gmem(0)
-                        proxy_fence()
-                        grid_barrier(counters_ref, parity, b, num_programs)
-                        proxy_fence()
+                    if barriers:
+                        with jax.named_scope(f"barrier{b}"):
+                            plgpu.wait_smem_to_gmem(0)
+                            proxy_fence()
+                            grid_barrier(counters_ref, parity, b, num_programs)
+                            proxy_fence()
                     with jax.named_scope(f"prologue{b + 1}"):
                         prologue(b + 1)
 
@@ -774,7 +778,10 @@ def main():
         "--simulate", action="store_true", help="only `simulate` against `reference` (a CPU)"
     )
     parser.add_argument(
-        "--cases", nargs="+", default=["kernel", "kernel_bare", "xla"], help="timed cases"
+        "--cases",
+        nargs="+",
+        default=["kernel", "kernel_bare", "kernel_free", "xla"],
+        help="timed cases",
     )
     parser.add_argument(
         "--splits",
@@ -867,7 +874,12 @@ def main():
                     fn = jax.jit(functools.partial(xla_layers, real_rows=real))
                     args_ = (x[:real], (attn_in, raw, scales))
                 else:
-                    kw = dict(real_rows=real, stages=stages, prologues=name == "kernel")
+                    kw = dict(
+                        real_rows=real,
+                        stages=stages,
+                        prologues=name == "kernel",
+                        barriers=name != "kernel_free",
+                    )
                     fn = jax.jit(functools.partial(kernel_layers, **kw))
                     args_ = (x, (attn_in, arranged, scales))
                 jax.block_until_ready(fn(*args_))
