@@ -104,10 +104,18 @@ class Phase:
         return self.k // TILE_K // self.parts * (2 if self.pair else 1)
 
 
-def phases(shape: Shape) -> tuple[Phase, ...]:
+def phases(shape: Shape, direct: bool = False) -> tuple[Phase, ...]:
+    """o, gate/up, down, qkv. gate/up's units: a gate tile and its up tile over a quarter of
+    K (`arrange`'s order), or, `direct`, 64 columns of the model's fused [hidden, 2 I]
+    matrix (gate and up columns in turn, `models.decoder.split_gate_up`) over half of K."""
+    gate_up = (
+        Phase(shape.hidden, 2 * shape.inter, 2)
+        if direct
+        else Phase(shape.hidden, shape.inter, 4, pair=True)
+    )
     return (
         Phase(shape.heads_dim, shape.hidden, 4),
-        Phase(shape.hidden, shape.inter, 4, pair=True),
+        gate_up,
         Phase(shape.inter, shape.hidden, 4),
         Phase(shape.hidden, shape.qkv, 2),
     )
@@ -122,10 +130,11 @@ class Schedule:
 
     shape: Shape
     num_programs: int
+    direct: bool = False
 
     @property
     def phases(self) -> tuple[Phase, ...]:
-        return phases(self.shape)
+        return phases(self.shape, self.direct)
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -156,9 +165,10 @@ class Schedule:
 
     def locate(self, i, info, local):
         """For iteration i (clamped to the program's last): its phase, unit, step, the unit's
-        part and column tile, the weight tile it reads (a row block of `arrange`'s array),
-        the 128 columns of the phase's x it multiplies (`k_step`), and whether it ends a
-        product (a unit, or a gate/up unit's gate half)."""
+        part and column tile, the weight tile it reads (a row block of `arrange`'s array, or
+        rows `w_k_step` of the phase's own matrix), the 128 columns of the phase's x it
+        multiplies (`k_step`), and whether it ends a product (a unit, or a gate/up unit's
+        gate half)."""
         ps = self.phases
         count = local[-1]
         i = jnp.clip(i, 0, jnp.maximum(count - 1, 0))
@@ -175,7 +185,8 @@ class Schedule:
         step = t % steps
         part, tile = unit % parts, unit // parts
         # x holds all of K, except in down, where it holds the program's part of act.
-        k_step = jnp.where(phase == 2, step, part * half + step % half)
+        w_k_step = part * half + step % half
+        k_step = jnp.where(phase == 2, step, w_k_step)
         return dict(
             phase=phase,
             unit=unit,
@@ -184,6 +195,7 @@ class Schedule:
             tile=tile,
             which=(step >= half).astype(jnp.int32),
             k_step=k_step,
+            w_k_step=w_k_step,
             tile_row=_select(self.bases, phase) + unit * steps + step,
             ends=(step == half - 1) | (step == steps - 1),
         )
@@ -342,6 +354,57 @@ def _row_swiglu(gate_up, x_smem, row, part, *, width):
     rows(gate_up, x_smem, row, part)
 
 
+def _row_swiglu_pairs(gate_up, x_smem, row, part, *, width):
+    """`_row_swiglu` from the model's fused gate/up columns (gate j at 2 j, up j at 2 j + 1):
+    `gate_up` f32[S, R, 2 I] partial sums; 4 activation columns a thread from 8 adjacent
+    fused ones."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(
+            plgpu.RefType(),
+            plgpu.RefType(TILED),
+            plgpu.Layout.WG_SPLAT(shape=()),
+            plgpu.Layout.WG_SPLAT(shape=()),
+        )
+    )
+    def rows(ctx, gate_up, x_smem, row, part):
+        del ctx
+        num_parts = ir.MemRefType(gate_up.type).shape[0]
+        i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
+        bf16 = ir.BF16Type.get()
+        vec, wide = ir.VectorType.get([RUN], f32), ir.VectorType.get([2 * RUN], f32)
+        c32 = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+        r = arith.index_cast(index, row.registers.item())
+        base = arith.muli(part.registers.item(), c32(width))
+        tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
+        runs = []
+        for k in range(-(-width // (RUN * THREADS))):
+            local = arith.muli(arith.addi(tid, c32(k * THREADS)), c32(RUN))
+            valid = arith.cmpi(arith.CmpIPredicate.ult, local, c32(width))
+            local = arith.minui(local, c32(width - RUN))
+            col = arith.index_cast(index, arith.muli(arith.addi(base, local), c32(2)))
+            terms = [
+                vector.load(wide, gate_up, [mgpu_utils.c(s, index), r, col])
+                for s in range(num_parts)
+            ]
+            total = terms[0]
+            for term in terms[1:]:
+                total = arith.addf(total, term)
+            gate = vector.shuffle(total, total, [0, 2, 4, 6])
+            up = vector.shuffle(total, total, [1, 3, 5, 7])
+            runs.append((valid, local, gate, up))
+        one = vector.broadcast(vec, mgpu_utils.c(1.0, f32))
+        for valid, local, gate, up in runs:
+            sig = arith.divf(one, arith.addf(one, mlir_math.exp(arith.negf(gate))))
+            act = arith.truncf(
+                ir.VectorType.get([RUN], bf16), arith.mulf(arith.mulf(gate, sig), up)
+            )
+            with mgpu_utils.when(valid):
+                vector.store(act, x_smem, tiled_indices(r, arith.index_cast(index, local)))
+
+    rows(gate_up, x_smem, row, part)
+
+
 def _row_merge(outs, lses, x_smem, row, part):
     """Per-thread code for one row: the split-KV merge of the 4 heads of o's K part `part`
     (`pallas_kernels.mosaic.merge.merge_values`), from the decode kernel's unmerged states
@@ -416,16 +479,20 @@ def layer(
     """One layer after attention. attn [R, Hq*D] and x [R, hidden] bfloat16 (R = `ROWS`; rows
     at or past the real ones zero in attn), or attn the decode kernel's unmerged states
     (f32[R, splits, Hq, D] outputs, f32[R, splits, Hq] LSEs), which o's programs merge
-    themselves; w from `arrange`, the two norms' scales [hidden],
-    `counters` a `jax.new_ref` of [2, 3] int32 (see `probes.layer_stream.stream_ws`). The
-    norms and SwiGLU run for the first `real_rows` rows only (the rest stay zero in the next
-    phase's x). Returns h2 [R, hidden] bfloat16 (the residual after the MLP; rows past
-    `real_rows` undefined) and the next layer's qkv as float32 partial sums [2, R, qkv].
+    themselves. w: from `arrange` (one array, streamed by `emit_pipeline` in one warpgroup),
+    or the model's own matrices (wo [Hq*D, hidden], the fused gate/up [hidden, 2 I], wd [I,
+    hidden], the next layer's wqkv [hidden, qkv]), read where they lie by a copy warpgroup
+    beside the compute warpgroup ("direct"). The two norms' scales [hidden]; `counters` a
+    `jax.new_ref` of [2, 3] int32 (see `probes.layer_stream.stream_ws`). The norms and SwiGLU
+    run for the first `real_rows` rows only (the rest stay zero in the next phase's x).
+    Returns h2 [R, hidden] bfloat16 (the residual after the MLP; rows past `real_rows`
+    undefined) and the next layer's qkv as float32 partial sums [2, R, qkv].
 
     Diagnostics: without `prologues` the programs skip the merge, the norms and SwiGLU, and
     without `barriers` the grid barriers too (wrong numbers both, what they cost);
-    `profile_dir` traces each program's "kernel", "barrier{b}" and
-    "prologue{j}" regions (Mosaic GPU's in-kernel profiler, `barrier_trace` reads them)."""
+    `profile_dir` traces each program's "kernel", "barrier{b}" and "prologue{j}" regions
+    (Mosaic GPU's in-kernel profiler, `barrier_trace` reads them)."""
+    direct = isinstance(w, tuple)
     states = attn if isinstance(attn, tuple) else ()
     if states:  # the rows past the real ones come from zeros, the real ones from the merge
         assert states[0].shape[2:] == (shape.heads_dim // HEAD_DIM, HEAD_DIM)
@@ -434,28 +501,23 @@ def layer(
     rows = attn.shape[0]
     assert rows == ROWS and attn.shape[1] == shape.heads_dim and x.shape == (rows, shape.hidden)
     num_programs = device_num_sms()
-    sched = Schedule(shape, num_programs)
+    sched = Schedule(shape, num_programs, direct)
     ps = sched.phases
     # x's shared memory holds one part of the intermediate dimension in the down phase.
     assert ps[2].units <= num_programs and min(p.units for p in ps) >= num_programs - 4
     f32 = jnp.float32
     width = shape.inter // ps[2].parts
     x_cols = max(shape.heads_dim, shape.hidden, width)
+    weights = w if direct else (w,)
 
-    def body(attn_ref, x_ref, w_ref, s_mlp_ref, s_next_ref, counters_ref, *refs):
+    def body(attn_ref, x_ref, s_mlp_ref, s_next_ref, counters_ref, *refs):
+        w_refs, refs = refs[: len(weights)], refs[len(weights) :]
         state_refs, refs = refs[: len(states)], refs[len(states) :]
-        h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, x_smem, y_smem, warp_sums, a_barrier = refs
+        h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, *scratch = refs
+        x_smem, y_smem, warp_sums, a_barrier, pipe = scratch
         program = lax.axis_index("program")
         info, local = sched.plan(program)
         count = local[-1]
-
-        @pl.when(program == 0)
-        def _():
-            for b in range(len(ps) - 1):
-                counters_ref[1 - parity, b] = jnp.int32(0)
-
-        # The attention output comes in beside the first weight tiles; o's first product waits.
-        plgpu.copy_gmem_to_smem(attn_ref, x_smem.at[:, pl.ds(0, shape.heads_dim)], a_barrier)
 
         def prologue(j):
             """What a program does after barrier j - 1, before phase j's first product."""
@@ -479,18 +541,21 @@ def layer(
                     )
             else:
                 first, n = info[2]
+                swiglu = _row_swiglu_pairs if direct else _row_swiglu
 
                 @pl.when(n > 0)
                 def _():
                     for r in range(real_rows):
-                        _row_swiglu(
+                        swiglu(
                             gu_ref, x_smem, jnp.int32(r), lax.rem(first, ps[2].parts), width=width
                         )
 
             plgpu.commit_smem()
 
-        def step(indices, w_smem, acc):
-            (i,) = indices
+        def step(i, w_tile, acc, wait_tile=None):
+            """Iteration i: its barriers and prologues first, then its product with the
+            weight tile `w_tile` [128, 64] (after `wait_tile()`), and its store if it ends
+            a product. Returns the accumulator, zeroed where a product ended."""
             live = i < count
 
             @pl.when(i == 0)
@@ -524,9 +589,11 @@ def layer(
             phase, part, tile = at["phase"], at["part"], at["tile"]
             col = pl.multiple_of(at["k_step"] * TILE_K, TILE_K)
             row = plgpu.broadcasted_iota(jnp.int32, (TILE_N, rows), 0, layout=plgpu.Layout.WGMMA)
+            if wait_tile is not None:
+                pl.when(live)(wait_tile)
 
             def mma(acc_ref):
-                plgpu.wgmma(acc_ref, w_smem.T, x_smem.at[:, pl.ds(col, TILE_K)].T)
+                plgpu.wgmma(acc_ref, w_tile.T, x_smem.at[:, pl.ds(col, TILE_K)].T)
 
             acc = jnp.where(
                 row < jnp.where(live, TILE_N, 0), pl.run_state(mma)(plgpu.ACC.init(acc)), acc
@@ -539,43 +606,108 @@ def layer(
                 _store_transposed(acc, y_smem)
                 plgpu.commit_smem()
                 cols = pl.ds(tile * TILE_N, TILE_N)
-                for j, dest in enumerate((o_ref, None, d_ref, qkv_ref)):
+                for j, dest in enumerate((o_ref, gu_ref if direct else None, d_ref, qkv_ref)):
                     if dest is not None:
                         pl.when(phase == j)(
                             lambda dest=dest: plgpu.copy_smem_to_gmem(
                                 y_smem, dest.at[part, :, cols]
                             )
                         )
-                pl.when(phase == 1)(
-                    lambda: plgpu.copy_smem_to_gmem(y_smem, gu_ref.at[part, :, at["which"], cols])
-                )
+                if not direct:
+                    pl.when(phase == 1)(
+                        lambda: plgpu.copy_smem_to_gmem(
+                            y_smem, gu_ref.at[part, :, at["which"], cols]
+                        )
+                    )
 
             return jnp.where(row < jnp.where(ends, 0, TILE_N), acc, jnp.zeros_like(acc))
 
-        zero = plgpu.layout_cast(jnp.zeros((TILE_N, rows), f32), plgpu.Layout.WGMMA)
-        with jax.named_scope("kernel"):
-            plgpu.emit_pipeline(
-                step,
-                grid=(sched.max_count,),
-                in_specs=[
-                    plgpu.BlockSpec(
-                        (TILE_K, TILE_N),
-                        lambda i: (sched.locate(i, info, local)["tile_row"], 0),
-                        transforms=TILED,
-                    )
-                ],
-                max_concurrent_steps=stages,
-                init_carry=zero,
-            )(w_ref)
-        plgpu.wait_smem_to_gmem(0)
+        def start():
+            @pl.when(program == 0)
+            def _():
+                for b in range(len(ps) - 1):
+                    counters_ref[1 - parity, b] = jnp.int32(0)
 
+            # The attention output comes in beside the first weight tiles; o's first product
+            # waits for it.
+            plgpu.copy_gmem_to_smem(attn_ref, x_smem.at[:, pl.ds(0, shape.heads_dim)], a_barrier)
+            return plgpu.layout_cast(jnp.zeros((TILE_N, rows), f32), plgpu.Layout.WGMMA)
+
+        if not direct:
+            zero = start()
+            with jax.named_scope("kernel"):
+                plgpu.emit_pipeline(
+                    lambda indices, w_tile, acc: step(indices[0], w_tile, acc),
+                    grid=(sched.max_count,),
+                    in_specs=[
+                        plgpu.BlockSpec(
+                            (TILE_K, TILE_N),
+                            lambda i: (sched.locate(i, info, local)["tile_row"], 0),
+                            transforms=TILED,
+                        )
+                    ],
+                    max_concurrent_steps=stages,
+                    init_carry=zero,
+                )(w_refs[0])
+            plgpu.wait_smem_to_gmem(0)
+            return
+
+        w_smem, (ready, free) = pipe
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 1)
+        def _copies():
+            def copy(i, carry):
+                slot = lax.rem(i, stages)
+                pl.when(i >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+                at = sched.locate(i, info, local)
+                k_rows = pl.ds(pl.multiple_of(at["w_k_step"] * TILE_K, TILE_K), TILE_K)
+                cols = pl.ds(pl.multiple_of(at["tile"] * TILE_N, TILE_N), TILE_N)
+                for j, w_ref in enumerate(w_refs):
+                    pl.when(at["phase"] == j)(
+                        lambda w_ref=w_ref: plgpu.copy_gmem_to_smem(
+                            w_ref.at[k_rows, cols], w_smem.at[slot], ready.at[slot]
+                        )
+                    )
+                return carry
+
+            lax.fori_loop(0, count, copy, jnp.int32(0))
+
+        @pl.when(wg == 0)
+        def _compute():
+            zero = start()
+
+            def compute(i, acc):
+                slot = lax.rem(i, stages)
+                acc = step(
+                    i,
+                    w_smem.at[slot],
+                    acc,
+                    wait_tile=lambda: plgpu.barrier_wait(ready.at[slot]),
+                )
+                pl.when(i < count)(lambda: plgpu.barrier_arrive(free.at[slot]))
+                return acc
+
+            with jax.named_scope("kernel"):
+                lax.fori_loop(0, sched.max_count, compute, zero)
+            plgpu.wait_smem_to_gmem(0)
+
+    gu_shape = (rows, 2 * shape.inter) if direct else (rows, 2, shape.inter)
     out_types = (
         jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
         jax.ShapeDtypeStruct((ps[3].parts, rows, shape.qkv), f32),
         jax.ShapeDtypeStruct((ps[0].parts, rows, shape.hidden), f32),
-        jax.ShapeDtypeStruct((ps[1].parts, rows, 2, shape.inter), f32),
+        jax.ShapeDtypeStruct((ps[1].parts, *gu_shape), f32),
         jax.ShapeDtypeStruct((ps[2].parts, rows, shape.hidden), f32),
         jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
+    )
+    pipe = (
+        (
+            plgpu.SMEM((stages, TILE_K, TILE_N), x.dtype, transforms=TILED),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+        )
+        if direct
+        else ()
     )
     h2, qkv, *_ = plgpu.kernel(
         body,
@@ -587,12 +719,14 @@ def layer(
             plgpu.SMEM((rows, TILE_N), f32),
             plgpu.SMEM((THREADS // 32,), f32),
             plgpu.Barrier(),
+            pipe,
         ),
         kernel_name="layer_kernel",
         compiler_params=plgpu.CompilerParams(
             **(dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {})
         ),
-    )(attn, x, w, scale_mlp, scale_next, counters, *states)
+        **(dict(num_threads=2, thread_name="wg") if direct else {}),
+    )(attn, x, scale_mlp, scale_next, counters, *weights, *states)
     return h2, qkv
 
 
@@ -614,12 +748,25 @@ def _select_traced(values, index):
 def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shape=Shape()):
     """The kernel's work, as `Schedule` deals it, in NumPy (float32 products of the bfloat16
     tiles; the norms and SwiGLU as the per-thread code computes them): what the CPU can check
-    of the kernel's index arithmetic, its weight order (`arrange`) and its stores. Raises if
-    an output element is written twice or not at all. Returns (h2, qkv partial sums) as
-    `layer` does, for the first `real_rows` rows."""
-    sched = Schedule(shape, num_programs)
+    of the kernel's index arithmetic, its weight order (`arrange`, or the model's matrices
+    with `w` a tuple, as `layer` takes them) and its stores. Raises if an output element is
+    written twice or not at all. Returns (h2, qkv partial sums) as `layer` does, for the
+    first `real_rows` rows."""
+    direct = isinstance(w, tuple)
+    sched = Schedule(shape, num_programs, direct)
     ps = sched.phases
-    tiles = np.asarray(w, np.float32).reshape(-1, TILE_K, TILE_N)
+    if direct:
+        mats = [np.asarray(m, np.float32) for m in w]
+
+        def tile_of(prog, i):
+            k, c = at["w_k_step"][prog, i] * TILE_K, at["tile"][prog, i] * TILE_N
+            return mats[at["phase"][prog, i]][k : k + TILE_K, c : c + TILE_N]
+    else:
+        tiles = np.asarray(w, np.float32).reshape(-1, TILE_K, TILE_N)
+
+        def tile_of(prog, i):
+            return tiles[at["tile_row"][prog, i]]
+
     programs = jnp.arange(num_programs)
     info, local = sched.plan(programs)
     its = jnp.arange(sched.max_count)
@@ -652,7 +799,10 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
             h2 = bf16(h + d)
             xs[3] = norm(h2, scale_next)
         if j == 2:
-            gate, up = outs[1].sum(0)[:, 0], outs[1].sum(0)[:, 1]
+            if direct:  # the fused columns: gate j at 2 j, up j at 2 j + 1
+                gate, up = outs[1].sum(0)[:, 0, 0::2], outs[1].sum(0)[:, 0, 1::2]
+            else:
+                gate, up = outs[1].sum(0)[:, 0], outs[1].sum(0)[:, 1]
             act = bf16(gate / (1 + np.exp(-gate)) * up)
         for prog in range(num_programs):
             acc = np.zeros((rows, TILE_N), f32)
@@ -664,7 +814,7 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
                     xj = act[:, part * width : (part + 1) * width]
                 else:
                     xj = xs[j]
-                acc += xj[:, k : k + TILE_K] @ tiles[at["tile_row"][prog, i]]
+                acc += xj[:, k : k + TILE_K] @ tile_of(prog, i)
                 if at["ends"][prog, i]:
                     part, tile, which = (at[n][prog, i] for n in ("part", "tile", "which"))
                     cols = slice(tile * TILE_N, (tile + 1) * TILE_N)
@@ -790,6 +940,13 @@ def main():
         default=[10],
         help="the attention output as that many unmerged splits (0: merged, bfloat16)",
     )
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        default=["arranged"],
+        choices=["arranged", "direct"],
+        help="`arrange`'s copy through `emit_pipeline`, or the model's matrices where they lie",
+    )
     parser.add_argument("--profile-dir", help="also trace one call of the kernel per case")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -818,9 +975,16 @@ def main():
         for _ in range(layers)
     ]
     scales = [(1 + normal((shape.hidden,), 0.1), 1 + normal((shape.hidden,), 0.1)) for _ in raw]
-    arranged = [jax.jit(arrange)(*w) for w in raw]
+    kernel_weights = {
+        "arranged": lambda: [jax.jit(arrange)(*w) for w in raw],
+        "direct": lambda: [
+            (wo, jnp.stack([wg, wu], -1).reshape(wg.shape[0], -1), wd, wqkv)
+            for wo, wg, wu, wd, wqkv in raw
+        ],
+    }
     cases = []
-    for real, splits in itertools.product(args.rows, args.splits):
+    for weights, real, splits in itertools.product(args.weights, args.rows, args.splits):
+        arranged = kernel_weights[weights]()
         x = jnp.zeros((ROWS, shape.hidden), dt).at[:real].set(normal((real, shape.hidden), 1.0))
         if splits:  # the decode kernel's unmerged states; rows past the real ones unused
             heads = shape.heads_dim // HEAD_DIM
@@ -831,7 +995,9 @@ def main():
             attn_in = normal((ROWS, shape.heads_dim), 1.0)
         attn = merged(attn_in, real)
         want_h2, want_qkv = reference(attn[:real], x[:real], *raw[0], *scales[0])
-        check = dict(case="simulate" if args.simulate else "check", rows=real, splits=splits)
+        check = dict(
+            case="simulate" if args.simulate else "check", weights=weights, rows=real, splits=splits
+        )
         try:
             if args.simulate:
                 h2, qkv = simulate(
@@ -868,7 +1034,7 @@ def main():
             for stages in (args.stages if name != "xla" else [None])
         ]
         for name, stages in runs:
-            case = dict(case=name, rows=real, splits=splits, stages=stages)
+            case = dict(case=name, weights=weights, rows=real, splits=splits, stages=stages)
             try:
                 if name == "xla":
                     fn = jax.jit(functools.partial(xla_layers, real_rows=real))
@@ -891,7 +1057,7 @@ def main():
             cases.append(case)
         if args.profile_dir:
             trace = traced(args.profile_dir, real, x, (attn_in, arranged, scales))
-            cases.append(dict(trace, splits=splits))
+            cases.append(dict(trace, weights=weights, splits=splits))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment(), probe="layer_kernel", cases=cases), f, indent=1)
