@@ -66,7 +66,7 @@ from benchmarks.common import environment, error_text, kernel_time_ms, step_time
 from pallas_kernels.common import device_num_sms, merge_splits
 from pallas_kernels.mosaic.merge import merge_values
 from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
-from probes.layer_stream import GRAPH_OPTIONS, barrier_trace, grid_barrier, proxy_fence
+from probes.layer_stream import GRAPH_OPTIONS, barrier_trace, grid_barrier, proxy_fence, select
 
 TILE_N, TILE_K = 64, 128
 HEAD_DIM = 128  # D of the attention states o's prologue merges
@@ -177,10 +177,10 @@ class Schedule:
             inside = i >= local[j]
             phase = jnp.where(inside, j, phase)
             t = jnp.where(inside, i - local[j], t)
-        steps = _select([p.steps for p in ps], phase)
-        parts = _select([p.parts for p in ps], phase)
-        half = _select([p.steps // 2 if p.pair else p.steps for p in ps], phase)
-        first = _select_traced([f for f, _ in info], phase)
+        steps = select([p.steps for p in ps], phase)
+        parts = select([p.parts for p in ps], phase)
+        half = select([p.steps // 2 if p.pair else p.steps for p in ps], phase)
+        first = select([f for f, _ in info], phase)
         unit = first + (t // steps) * self.num_programs
         step = t % steps
         part, tile = unit % parts, unit // parts
@@ -196,7 +196,7 @@ class Schedule:
             which=(step >= half).astype(jnp.int32),
             k_step=k_step,
             w_k_step=w_k_step,
-            tile_row=_select(self.bases, phase) + unit * steps + step,
+            tile_row=select(self.bases, phase) + unit * steps + step,
             ends=(step == half - 1) | (step == steps - 1),
         )
 
@@ -300,64 +300,12 @@ def _row_norm(parts, resid, scale, sum_out, x_smem, warp_sums, row, *, eps, writ
     rows(parts, resid, scale, sum_out, x_smem, warp_sums, row, write_sum)
 
 
-def _row_swiglu(gate_up, x_smem, row, part, *, width):
+def _row_swiglu(gate_up, x_smem, row, part, *, width, pairs):
     """Per-thread code for one row: SwiGLU of columns [part * width, (part + 1) * width) of the
-    intermediate dimension, gate and up each the sum of their partial sums
-    (`gate_up` [S, R, 2, I] float32), rounded to bfloat16 into `x_smem` columns [0, width)."""
-
-    @plgpu.inline_mgpu(
-        arg_types=(
-            plgpu.RefType(),
-            plgpu.RefType(TILED),
-            plgpu.Layout.WG_SPLAT(shape=()),
-            plgpu.Layout.WG_SPLAT(shape=()),
-        )
-    )
-    def rows(ctx, gate_up, x_smem, row, part):
-        del ctx
-        num_parts = ir.MemRefType(gate_up.type).shape[0]
-        i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
-        bf16 = ir.BF16Type.get()
-        vec = ir.VectorType.get([RUN], f32)
-        c32 = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
-        r = arith.index_cast(index, row.registers.item())
-        base = arith.muli(part.registers.item(), c32(width))
-        tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
-        runs = []
-        for k in range(-(-width // (RUN * THREADS))):
-            local = arith.muli(arith.addi(tid, c32(k * THREADS)), c32(RUN))
-            valid = arith.cmpi(arith.CmpIPredicate.ult, local, c32(width))
-            local = arith.minui(local, c32(width - RUN))
-            col = arith.index_cast(index, arith.addi(base, local))
-            sums = []
-            for which in range(2):
-                terms = [
-                    vector.load(
-                        vec, gate_up, [mgpu_utils.c(s, index), r, mgpu_utils.c(which, index), col]
-                    )
-                    for s in range(num_parts)
-                ]
-                total = terms[0]
-                for term in terms[1:]:
-                    total = arith.addf(total, term)
-                sums.append(total)
-            runs.append((valid, local, sums))
-        one = vector.broadcast(vec, mgpu_utils.c(1.0, f32))
-        for valid, local, (gate, up) in runs:
-            sig = arith.divf(one, arith.addf(one, mlir_math.exp(arith.negf(gate))))
-            act = arith.truncf(
-                ir.VectorType.get([RUN], bf16), arith.mulf(arith.mulf(gate, sig), up)
-            )
-            with mgpu_utils.when(valid):
-                vector.store(act, x_smem, tiled_indices(r, arith.index_cast(index, local)))
-
-    rows(gate_up, x_smem, row, part)
-
-
-def _row_swiglu_pairs(gate_up, x_smem, row, part, *, width):
-    """`_row_swiglu` from the model's fused gate/up columns (gate j at 2 j, up j at 2 j + 1):
-    `gate_up` f32[S, R, 2 I] partial sums; 4 activation columns a thread from 8 adjacent
-    fused ones."""
+    intermediate dimension, gate and up each the sum of their partial sums, rounded to
+    bfloat16 into `x_smem` columns [0, width). `gate_up`: f32[S, R, 2, I] (gate, then up), or
+    with `pairs` the model's fused columns f32[S, R, 2 I] (gate j at 2 j, up j at 2 j + 1),
+    of which a thread loads 8 adjacent ones for its 4."""
 
     @plgpu.inline_mgpu(
         arg_types=(
@@ -377,21 +325,38 @@ def _row_swiglu_pairs(gate_up, x_smem, row, part, *, width):
         r = arith.index_cast(index, row.registers.item())
         base = arith.muli(part.registers.item(), c32(width))
         tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
+
+        def summed(load):
+            total = load(0)
+            for s in range(1, num_parts):
+                total = arith.addf(total, load(s))
+            return total
+
         runs = []
         for k in range(-(-width // (RUN * THREADS))):
             local = arith.muli(arith.addi(tid, c32(k * THREADS)), c32(RUN))
             valid = arith.cmpi(arith.CmpIPredicate.ult, local, c32(width))
             local = arith.minui(local, c32(width - RUN))
-            col = arith.index_cast(index, arith.muli(arith.addi(base, local), c32(2)))
-            terms = [
-                vector.load(wide, gate_up, [mgpu_utils.c(s, index), r, col])
-                for s in range(num_parts)
-            ]
-            total = terms[0]
-            for term in terms[1:]:
-                total = arith.addf(total, term)
-            gate = vector.shuffle(total, total, [0, 2, 4, 6])
-            up = vector.shuffle(total, total, [1, 3, 5, 7])
+            col = arith.addi(base, local)
+            if pairs:
+                col = arith.index_cast(index, arith.muli(col, c32(2)))
+                total = summed(
+                    lambda s, col=col: vector.load(wide, gate_up, [mgpu_utils.c(s, index), r, col])
+                )
+                gate = vector.shuffle(total, total, [0, 2, 4, 6])
+                up = vector.shuffle(total, total, [1, 3, 5, 7])
+            else:
+                col = arith.index_cast(index, col)
+                gate, up = (
+                    summed(
+                        lambda s, col=col, which=which: vector.load(
+                            vec,
+                            gate_up,
+                            [mgpu_utils.c(s, index), r, mgpu_utils.c(which, index), col],
+                        )
+                    )
+                    for which in range(2)
+                )
             runs.append((valid, local, gate, up))
         one = vector.broadcast(vec, mgpu_utils.c(1.0, f32))
         for valid, local, gate, up in runs:
@@ -541,13 +506,17 @@ def layer(
                     )
             else:
                 first, n = info[2]
-                swiglu = _row_swiglu_pairs if direct else _row_swiglu
 
                 @pl.when(n > 0)
                 def _():
                     for r in range(real_rows):
-                        swiglu(
-                            gu_ref, x_smem, jnp.int32(r), lax.rem(first, ps[2].parts), width=width
+                        _row_swiglu(
+                            gu_ref,
+                            x_smem,
+                            jnp.int32(r),
+                            lax.rem(first, ps[2].parts),
+                            width=width,
+                            pairs=direct,
                         )
 
             plgpu.commit_smem()
@@ -728,21 +697,6 @@ def layer(
         **(dict(num_threads=2, thread_name="wg") if direct else {}),
     )(attn, x, scale_mlp, scale_next, counters, *weights, *states)
     return h2, qkv
-
-
-def _select(values, index):
-    """values[index] for a static list of ints and a traced index."""
-    out = jnp.int32(values[0])
-    for j, v in enumerate(values[1:], 1):
-        out = jnp.where(index == j, jnp.int32(v), out)
-    return out
-
-
-def _select_traced(values, index):
-    out = values[0]
-    for j, v in enumerate(values[1:], 1):
-        out = jnp.where(index == j, v, out)
-    return out
 
 
 def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shape=Shape()):

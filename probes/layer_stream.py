@@ -219,11 +219,12 @@ def stream(
     )(x, w)
 
 
-def _select(values, index):
-    """values[index] for a static list and a traced index (Mosaic GPU indexes no constants)."""
-    out = jnp.int32(values[0])
+def select(values, index):
+    """values[index] for a static list (of ints or traced int32 scalars) and a traced index
+    (Mosaic GPU indexes no constants)."""
+    out = jnp.asarray(values[0], jnp.int32)
     for j, v in enumerate(values[1:], 1):
-        out = jnp.where(index == j, jnp.int32(v), out)
+        out = jnp.where(index == j, jnp.asarray(v, jnp.int32), out)
     return out
 
 
@@ -351,7 +352,7 @@ def stream_ws(
             tails = pl.get_global(plgpu.SemaphoreType.REGULAR((phases,)))
 
         def static_share(j):
-            s = _select(statics, j)
+            s = select(statics, j)
             return program * s // num_programs, (program + 1) * s // num_programs
 
         @pl.when(wg == 1)
@@ -362,19 +363,17 @@ def stream_ws(
                     if statics[p] < sizes[p]:
                         pl.when(j == p)(lambda p=p: _fetch_add(tails.at[p], claim_smem))
                 c = claim_smem[0]
-                start = _select(statics, j) + c * chunk
-                has_tail = (
-                    _select([int(s < z) for s, z in zip(statics, sizes, strict=True)], j) == 1
-                )
-                start = jnp.where(has_tail, start, _select(sizes, j))
-                return start, jnp.minimum(start + chunk, _select(sizes, j))
+                start = select(statics, j) + c * chunk
+                has_tail = select([int(s < z) for s, z in zip(statics, sizes, strict=True)], j) == 1
+                start = jnp.where(has_tail, start, select(sizes, j))
+                return start, jnp.minimum(start + chunk, select(sizes, j))
 
             def next_run(j, u, end):
                 """At the end of a run of phase j: the next (j, u, end), a claimed run of
                 phase j's tail or, when none is left, the static share of phase j + 1."""
                 del u, end
                 start, stop = claim(j)
-                more = start < _select(sizes, j)
+                more = start < select(sizes, j)
                 lo, hi = static_share(j + 1)
                 return (
                     jnp.where(more, j, j + 1),
@@ -393,7 +392,7 @@ def stream_ws(
                 def _():
                     plgpu.barrier_wait(free.at[slot])
 
-                g = _select(starts, j) + u
+                g = select(starts, j) + u
                 k_step, col = lax.rem(g, k_steps), g // k_steps
                 meta_smem[slot, 0] = g
                 meta_smem[slot, 1] = j
