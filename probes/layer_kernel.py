@@ -1,18 +1,20 @@
 """Probe: a decoder layer's work after attention as one persistent Mosaic GPU kernel, with its
 arithmetic (issue 20; benchmarks/NOTES.md, "Session 45").
 
-At B=1 the `1b` decode step spends ~38.4 us a layer in seven kernels after attention (run 209):
-o, `add_rms_norm`, gate/up, SwiGLU, down, `add_rms_norm` and the next layer's qkv. Each pays a
-ramp and a tail. `layer_stream` streamed the four projections' weights through one kernel in
-26 us a layer, 31 with a grid barrier between phases (runs 134, 146). This kernel is that
-stream with the layer's arithmetic in it. One program per SM; its weights come through one
-`emit_pipeline` of [128, 64] TMA tiles across all four phases, so the next phase's copies are
-in flight while a program waits at a barrier:
+At B=1 the `1b` decode step spends ~40.5 us a layer in eight kernels after the decode kernel
+(runs 176, 209): the split merge, o, `add_rms_norm`, gate/up, SwiGLU, down, `add_rms_norm` and
+the next layer's qkv. Each pays a ramp and a tail. `layer_stream` streamed the four
+projections' weights through one kernel in 26 us a layer, 31 with a grid barrier between
+phases (runs 134, 146). This kernel is that stream with the layer's arithmetic in it. One
+program per SM; its weight tiles ([128, 64], TMA) come through one pipeline across all four
+phases, so the next phase's copies are in flight while a program waits at a barrier:
 
-  - phase o: attn [R, Hq*D] @ Wo as float32 partial sums over 4 parts of K;
+  - o's programs merge the decode kernel's unmerged split states of their 4 heads (or take
+    a merged attention output); phase o: attn [R, Hq*D] @ Wo as float32 partial sums over 4
+    parts of K;
   - barrier; each program sums them with the residual x (h = x + o, as `add_rms_norm` does)
     and writes the RMSNorm of h into shared memory as the next phase's x; program 0 keeps h;
-  - phase gate/up: normed @ [gate | up], partial sums over 4 parts of K;
+  - phase gate/up: normed @ [gate | up], float32 partial sums over parts of K;
   - barrier; each program with a down unit takes SwiGLU of its part of the intermediate
     dimension (the partial sums added, `silu(gate) * up` rounded once, as `models.decoder.MLP`
     does for small steps);
@@ -22,23 +24,25 @@ in flight while a program waits at a barrier:
   - phase qkv: normed @ Wqkv (the next layer's), partial sums over 2 parts, the kernel's second
     output (`rope_append` and the Mosaic decode kernel's fold sum such parts).
 
-Work is split into units (a 64-column tile and a part of K; for gate/up a gate tile and its
-up tile), dealt round-robin to the programs, and the weights are stored in the order the units
-read them (`arrange`; a checkpoint would be permuted once at load). The barriers count in a
-ref that outlives the call (`probes.layer_stream.grid_barrier`), so no memset precedes it.
+Work is split into units (a 64-column tile and a part of K), dealt round-robin to the programs
+(`Schedule`). The weights come either as a copy in the order the units read them (`arrange`,
+streamed by `emit_pipeline` in one warpgroup) or as the model's own matrices, read where they
+lie by a copy warpgroup (`direct`, what a model path would use). The barriers count in a ref
+that outlives the call (`probes.layer_stream.grid_barrier`), so no memset precedes it.
+`simulate` runs the same schedule in NumPy, for the CPU.
 
 Cases, per layer (16 layers, each with its own weights, past the 60 MB L2), CUPTI and the wall
 time in a graphed loop:
-  - `kernel`: the kernel, each layer's h2 the next one's x (the attention output held fixed);
+  - `kernel`: the kernel, each layer's h2 the next one's x (the attention held fixed);
   - `kernel_bare`: the same without the merge, norms and SwiGLU (wrong numbers; what they
     cost), and `kernel_free` without the barriers too (the schedule's weight stream alone);
-  - `xla`: the same arithmetic as the decode step computes it (split-K partial sums, the norms
-    and SwiGLU in XLA).
-Layer 0 of both is checked against `reference` first. `--profile-dir` traces one call's
-barriers and prologues in every program (Mosaic GPU's in-kernel profiler).
+  - `xla`: the same arithmetic in XLA (`reference`, the split merge first).
+Layer 0 is checked against `reference` first, twice, and 16 chained layers against XLA's.
+`--profile-dir` traces one call's barriers and prologues in every program (Mosaic GPU's
+in-kernel profiler).
 
-    python -m probes.layer_kernel --rows 1 2 --out results.json
-    python -m probes.layer_kernel --simulate --rows 1 2   # on a CPU: `simulate` only
+    python -m probes.layer_kernel --rows 1 2 --weights arranged direct --out results.json
+    python -m probes.layer_kernel --simulate --rows 1 2 --splits 0 10 --weights arranged direct
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.common import environment, error_text, kernel_time_ms, step_time_ms
+from jaxpaged.layers import rms_norm
 from pallas_kernels.common import device_num_sms, merge_splits
 from pallas_kernels.mosaic.merge import merge_values
 from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
@@ -785,19 +790,14 @@ def reference(attn, x, wo, w_gate, w_up, wd, wqkv, scale_mlp, scale_next, *, eps
     """The same layer as the decode step computes it (`jaxpaged.add_rms_norm`,
     `models.decoder.MLP` for small steps), in XLA: returns h2 and qkv (summed, float32)."""
 
-    def norm(h):
-        h32 = h.astype(jnp.float32)
-        return h32 * lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True) + eps)
-
     def dot(a, b):
         return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
-    h = (x + dot(attn, wo).astype(x.dtype)).astype(x.dtype)
-    normed = (norm(h) * scale_mlp.astype(jnp.float32)).astype(x.dtype)
+    h = x + dot(attn, wo).astype(x.dtype)
+    normed = rms_norm(h, scale_mlp, eps)
     act = (jax.nn.silu(dot(normed, w_gate)) * dot(normed, w_up)).astype(x.dtype)
     h2 = h + dot(act, wd).astype(x.dtype)
-    normed = (norm(h2) * scale_next.astype(jnp.float32)).astype(x.dtype)
-    return h2, dot(normed, wqkv)
+    return h2, dot(rms_norm(h2, scale_next, eps), wqkv)
 
 
 def looped(fn, loops=10):
