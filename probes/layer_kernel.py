@@ -43,6 +43,8 @@ in-kernel profiler).
 
     python -m probes.layer_kernel --rows 1 2 --weights arranged direct --out results.json
     python -m probes.layer_kernel --simulate --rows 1 2 --splits 0 10 --weights arranged direct
+
+(`--simulate` also runs `check_schedules`: other shapes, program counts and the last layer.)
 """
 
 from __future__ import annotations
@@ -74,7 +76,6 @@ from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
 from probes.layer_stream import GRAPH_OPTIONS, barrier_trace, grid_barrier, proxy_fence, select
 
 TILE_N, TILE_K = 64, 128
-HEAD_DIM = 128  # D of the attention states o's prologue merges
 ROWS = 8  # the padded rows: x is `wgmma`'s N
 LAYERS = 16
 EPS = 1e-6
@@ -88,6 +89,7 @@ class Shape:
     heads_dim: int = 2048  # Hq * D, o's K
     inter: int = 6144
     qkv: int = 4096  # (Hq + 2 Hkv) * D
+    head_dim: int = 128  # D
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,41 +111,81 @@ class Phase:
         return self.k // TILE_K // self.parts * (2 if self.pair else 1)
 
 
-def phases(shape: Shape, direct: bool = False) -> tuple[Phase, ...]:
-    """o, gate/up, down, qkv. gate/up's units: a gate tile and its up tile over a quarter of
-    K (`arrange`'s order), or, `direct`, 64 columns of the model's fused [hidden, 2 I]
-    matrix (gate and up columns in turn, `models.decoder.split_gate_up`) over half of K."""
-    gate_up = (
-        Phase(shape.hidden, 2 * shape.inter, 2)
-        if direct
-        else Phase(shape.hidden, shape.inter, 4, pair=True)
+def phases(
+    shape: Shape, direct: bool = False, num_programs: int = 132, last: bool = False
+) -> tuple[Phase, ...]:
+    """o, gate/up, down and, unless `last`, qkv. `arrange`'s form is the `1b` shape's: gate/up's
+    units a gate tile and its up tile over a quarter of K. `direct`: 64 columns of each of the
+    model's matrices (the fused gate/up [hidden, 2 I] in its interleaved columns,
+    `models.decoder.split_gate_up`), each phase's parts of K from `choose_parts`."""
+    if not direct:
+        assert not last
+        return (
+            Phase(shape.heads_dim, shape.hidden, 4),
+            Phase(shape.hidden, shape.inter, 4, pair=True),
+            Phase(shape.inter, shape.hidden, 4),
+            Phase(shape.hidden, shape.qkv, 2),
+        )
+    heads = shape.heads_dim // shape.head_dim
+    # o's parts are whole heads that one warpgroup merges (4 elements a thread); a program's
+    # down units must share their part of K (`Schedule` deals part q to programs q mod parts).
+    o_parts = choose_parts(
+        shape.heads_dim,
+        shape.hidden,
+        num_programs,
+        ok=lambda d: heads % d == 0 and shape.heads_dim // d <= THREADS * RUN,
     )
-    return (
-        Phase(shape.heads_dim, shape.hidden, 4),
-        gate_up,
-        Phase(shape.inter, shape.hidden, 4),
-        Phase(shape.hidden, shape.qkv, 2),
+    down_parts = choose_parts(
+        shape.inter, shape.hidden, num_programs, ok=lambda d: num_programs % d == 0
     )
+    layers = [
+        Phase(shape.heads_dim, shape.hidden, o_parts),
+        Phase(
+            shape.hidden, 2 * shape.inter, choose_parts(shape.hidden, 2 * shape.inter, num_programs)
+        ),
+        Phase(shape.inter, shape.hidden, down_parts),
+    ]
+    if not last:
+        layers.append(
+            Phase(shape.hidden, shape.qkv, choose_parts(shape.hidden, shape.qkv, num_programs))
+        )
+    return tuple(layers)
+
+
+def choose_parts(k: int, cols: int, num_programs: int, ok=lambda d: True) -> int:
+    """The parts of K for a phase of `cols` output columns: the divisor d of its K steps that
+    gives the fewest tiles to the busiest program (ceil(units / P) * steps), the fewest parts
+    among equals (fewer partial sums to add), among those `ok` allows."""
+    k_steps = k // TILE_K
+    tiles = cols // TILE_N
+    options = [d for d in range(1, k_steps + 1) if k_steps % d == 0 and ok(d)]
+    if not options:
+        raise ValueError(f"no part count of K={k} fits ({cols} columns, {num_programs} programs)")
+    return min(options, key=lambda d: (-(-tiles * d // num_programs) * (k_steps // d), d))
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Which program runs which unit, in which order, and what each of its iterations reads
     and writes. Unit u of phase j runs on program (u + offsets[j]) % P: gate/up's first units
-    go to the 4 programs that o, down and qkv (128 units each) leave idle. Pure `jnp`, so
-    that the kernel computes it on its scalars and `simulate` on arrays of them."""
+    go to the programs that o leaves idle (at `1b`, the 4 that o, down and qkv with 128
+    units each leave idle). Pure `jnp`, so that the kernel computes it on its scalars and
+    `simulate` on arrays of them."""
 
     shape: Shape
     num_programs: int
     direct: bool = False
+    last: bool = False
 
     @property
     def phases(self) -> tuple[Phase, ...]:
-        return phases(self.shape, self.direct)
+        return phases(self.shape, self.direct, self.num_programs, self.last)
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        return (0, self.num_programs - 4, 0, 0)
+        """Gate/up starts on the programs after o's units (the ones o leaves idle); the other
+        phases on program 0, so that down's part q stays on programs q mod its parts."""
+        return (0, self.phases[0].units % self.num_programs, 0, 0)[: len(self.phases)]
 
     @property
     def bases(self) -> list[int]:  # each phase's first tile in `arrange`'s array
@@ -228,24 +270,17 @@ def arrange(wo, w_gate, w_up, wd, wqkv, shape: Shape = Shape()):
     return jnp.concatenate([b.reshape(-1, TILE_N) for b in blocks], axis=0)
 
 
-def _row_norm(parts, resid, scale, sum_out, x_smem, warp_sums, row, *, eps, write_sum):
+def _row_norm(
+    parts, resid, scale, sum_out, normed_out, warp_sums, row, *, eps, write_sum, smem=True
+):
     """Per-thread code of the compute warpgroup for one row: h = resid + rounded(sum of the
     partial sums), rounded, as `jaxpaged.add_rms_norm`; its RMSNorm times `scale` rounded to
-    bfloat16 into row `row` of `x_smem` (`TILED`); h into `sum_out` where `write_sum`."""
+    bfloat16 into row `row` of `normed_out`: the next phase's x in shared memory (`TILED`),
+    or with `smem` False a GMEM ref (the last layer's output); h into `sum_out` where
+    `write_sum`. Runs of 4 columns a thread; runs past the row's end load the last run again
+    and store nothing."""
 
-    @plgpu.inline_mgpu(
-        arg_types=(
-            plgpu.RefType(),
-            plgpu.RefType(),
-            plgpu.RefType(),
-            plgpu.RefType(),
-            plgpu.RefType(TILED),
-            plgpu.RefType(),
-            plgpu.Layout.WG_SPLAT(shape=()),
-            plgpu.Layout.WG_SPLAT(shape=()),
-        )
-    )
-    def rows(ctx, parts, resid, scale, sum_out, x_smem, warp_sums, row, write_sum):
+    def kernel(ctx, parts, resid, scale, sum_out, normed_out, warp_sums, row, write_sum):
         del ctx
         num_parts, _, hidden = ir.MemRefType(parts.type).shape
         i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
@@ -258,25 +293,28 @@ def _row_norm(parts, resid, scale, sum_out, x_smem, warp_sums, row, *, eps, writ
             return arith.extf(vec(f32), arith.truncf(vec(bf16), v))
 
         tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
-        cols, loaded = [], []
-        for k in range(hidden // (RUN * THREADS)):
-            col = arith.index_cast(index, arith.muli(arith.addi(tid, c32(k * THREADS)), c32(RUN)))
+        runs, loaded = [], []
+        for k in range(-(-hidden // (RUN * THREADS))):
+            col = arith.muli(arith.addi(tid, c32(k * THREADS)), c32(RUN))
+            valid = arith.cmpi(arith.CmpIPredicate.ult, col, c32(hidden))
+            col = arith.index_cast(index, arith.minui(col, c32(hidden - RUN)))
             terms = [
                 vector.load(vec(f32), parts, [mgpu_utils.c(s, index), r, col])
                 for s in range(num_parts)
             ]
             x_run = arith.extf(vec(f32), vector.load(vec(bf16), resid, [r, col]))
             s_run = arith.extf(vec(f32), vector.load(vec(bf16), scale, [col]))
-            cols.append(col)
+            runs.append((valid, col))
             loaded.append((x_run, terms, s_run))
         totals, squares = [], None
-        for x_run, terms, _ in loaded:
+        zero = vector.broadcast(vec(f32), mgpu_utils.c(0.0, f32))
+        for (valid, _), (x_run, terms, _) in zip(runs, loaded, strict=True):
             h_run = terms[0]
             for term in terms[1:]:
                 h_run = arith.addf(h_run, term)
             total = rounded(arith.addf(x_run, rounded(h_run)))
             totals.append(total)
-            square = arith.mulf(total, total)
+            square = arith.select(valid, arith.mulf(total, total), zero)
             squares = square if squares is None else arith.addf(squares, square)
         lane = None
         for e in range(RUN):
@@ -296,13 +334,22 @@ def _row_norm(parts, resid, scale, sum_out, x_smem, warp_sums, row, *, eps, writ
         mean = arith.divf(sum_sq, mgpu_utils.c(float(hidden), f32))
         inv = vector.broadcast(vec(f32), mlir_math.rsqrt(arith.addf(mean, mgpu_utils.c(eps, f32))))
         store_sum = arith.cmpi(arith.CmpIPredicate.ne, write_sum.registers.item(), c32(0))
-        for col, (_, _, s_run), total in zip(cols, loaded, totals, strict=True):
+        for (valid, col), (_, _, s_run), total in zip(runs, loaded, totals, strict=True):
             normed = arith.truncf(vec(bf16), arith.mulf(total, arith.mulf(inv, s_run)))
-            vector.store(normed, x_smem, tiled_indices(r, col))
-            with mgpu_utils.when(store_sum):
+            with mgpu_utils.when(valid):
+                if smem:
+                    vector.store(normed, normed_out, tiled_indices(r, col))
+                else:
+                    vector.store(normed, normed_out, [r, col])
+            with mgpu_utils.when(arith.andi(valid, store_sum)):
                 vector.store(arith.truncf(vec(bf16), total), sum_out, [r, col])
 
-    rows(parts, resid, scale, sum_out, x_smem, warp_sums, row, write_sum)
+    refs = (plgpu.RefType(),) * 4
+    out_type = plgpu.RefType(TILED) if smem else plgpu.RefType()
+    splat = plgpu.Layout.WG_SPLAT(shape=())
+    plgpu.inline_mgpu(arg_types=(*refs, out_type, plgpu.RefType(), splat, splat))(kernel)(
+        parts, resid, scale, sum_out, normed_out, warp_sums, row, write_sum
+    )
 
 
 def _row_swiglu(gate_up, x_smem, row, part, *, width, pairs):
@@ -375,11 +422,12 @@ def _row_swiglu(gate_up, x_smem, row, part, *, width, pairs):
     rows(gate_up, x_smem, row, part)
 
 
-def _row_merge(outs, lses, x_smem, row, part):
-    """Per-thread code for one row: the split-KV merge of the 4 heads of o's K part `part`
-    (`pallas_kernels.mosaic.merge.merge_values`), from the decode kernel's unmerged states
-    (`outs` f32[R, splits, Hq, D], `lses` f32[R, splits, Hq]), rounded to bfloat16 into
-    `x_smem` columns [part * 4 D, (part + 1) * 4 D). A thread takes 4 elements of one head."""
+def _row_merge(outs, lses, x_smem, row, part, *, heads_per_part):
+    """Per-thread code for one row: the split-KV merge of the `heads_per_part` heads of o's K
+    part `part` (`pallas_kernels.mosaic.merge.merge_values`), from the decode kernel's
+    unmerged states (`outs` f32[R, splits, Hq, D], `lses` f32[R, splits, Hq]), rounded to
+    bfloat16 into `x_smem` columns [part * heads_per_part * D, ...). A thread takes 4
+    elements of one head; threads past the part's heads take none."""
 
     @plgpu.inline_mgpu(
         arg_types=(
@@ -398,10 +446,11 @@ def _row_merge(outs, lses, x_smem, row, part):
         r = arith.index_cast(index, row.registers.item())
         tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
         threads_per_head = head_dim // RUN
+        active = heads_per_part * threads_per_head
+        takes = arith.cmpi(arith.CmpIPredicate.ult, tid, c32(active))
+        tid = arith.minui(tid, c32(active - 1))
         local_head = arith.divui(tid, c32(threads_per_head))
-        head = arith.addi(
-            arith.muli(part.registers.item(), c32(THREADS // threads_per_head)), local_head
-        )
+        head = arith.addi(arith.muli(part.registers.item(), c32(heads_per_part)), local_head)
         col = arith.muli(arith.remui(tid, c32(threads_per_head)), c32(RUN))
         head_i, col_i = arith.index_cast(index, head), arith.index_cast(index, col)
         splits = [mgpu_utils.c(s, index) for s in range(num_splits)]
@@ -412,7 +461,8 @@ def _row_merge(outs, lses, x_smem, row, part):
         merged, _ = merge_values(split_lses, values)
         merged = arith.truncf(ir.VectorType.get([RUN], ir.BF16Type.get()), merged)
         x_col = arith.addi(arith.muli(head, c32(head_dim)), col)
-        vector.store(merged, x_smem, tiled_indices(r, arith.index_cast(index, x_col)))
+        with mgpu_utils.when(takes):
+            vector.store(merged, x_smem, tiled_indices(r, arith.index_cast(index, x_col)))
 
     rows(outs, lses, x_smem, row, part)
 
@@ -456,25 +506,32 @@ def layer(
     `jax.new_ref` of [2, 3] int32 (see `probes.layer_stream.stream_ws`). The norms and SwiGLU
     run for the first `real_rows` rows only (the rest stay zero in the next phase's x).
     Returns h2 [R, hidden] bfloat16 (the residual after the MLP; rows past `real_rows`
-    undefined) and the next layer's qkv as float32 partial sums [2, R, qkv].
+    undefined) and the next layer's qkv as float32 partial sums [parts, R, qkv]. The last
+    layer passes (wo, gate/up, wd) only, and `scale_next` is the final norm's: it returns h2
+    and the final norm of it [R, hidden], which program 0 takes after a last barrier.
 
     Diagnostics: without `prologues` the programs skip the merge, the norms and SwiGLU, and
     without `barriers` the grid barriers too (wrong numbers both, what they cost);
     `profile_dir` traces each program's "kernel", "barrier{b}" and "prologue{j}" regions
     (Mosaic GPU's in-kernel profiler, `barrier_trace` reads them)."""
     direct = isinstance(w, tuple)
+    last = direct and len(w) == 3
     states = attn if isinstance(attn, tuple) else ()
     if states:  # the rows past the real ones come from zeros, the real ones from the merge
-        assert states[0].shape[2:] == (shape.heads_dim // HEAD_DIM, HEAD_DIM)
-        assert shape.heads_dim // phases(shape)[0].parts == THREADS * RUN
+        assert states[0].shape[2:] == (shape.heads_dim // shape.head_dim, shape.head_dim)
         attn = jnp.zeros((states[0].shape[0], shape.heads_dim), x.dtype)
     rows = attn.shape[0]
     assert rows == ROWS and attn.shape[1] == shape.heads_dim and x.shape == (rows, shape.hidden)
     num_programs = device_num_sms()
-    sched = Schedule(shape, num_programs, direct)
+    sched = Schedule(shape, num_programs, direct, last)
     ps = sched.phases
-    # x's shared memory holds one part of the intermediate dimension in the down phase.
-    assert ps[2].units <= num_programs and min(p.units for p in ps) >= num_programs - 4
+    # x's shared memory holds one part of the intermediate dimension in the down phase: a
+    # program's down units share it (`choose_parts`; at `1b` one unit a program).
+    if direct:
+        assert num_programs % ps[2].parts == 0
+    else:
+        assert ps[2].units <= num_programs and min(p.units for p in ps) >= num_programs - 4
+    assert shape.heads_dim // ps[0].parts <= THREADS * RUN  # o's merge: one warpgroup a part
     f32 = jnp.float32
     width = shape.inter // ps[2].parts
     x_cols = max(shape.heads_dim, shape.hidden, width)
@@ -483,7 +540,7 @@ def layer(
     def body(attn_ref, x_ref, s_mlp_ref, s_next_ref, counters_ref, *refs):
         w_refs, refs = refs[: len(weights)], refs[len(weights) :]
         state_refs, refs = refs[: len(states)], refs[len(states) :]
-        h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, *scratch = refs
+        h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, *scratch = refs  # last: qkv_ref the norm
         x_smem, y_smem, warp_sums, a_barrier, pipe = scratch
         program = lax.axis_index("program")
         info, local = sched.plan(program)
@@ -543,7 +600,13 @@ def layer(
                     def _():
                         part = lax.rem(first, ps[0].parts)
                         for r in range(real_rows):
-                            _row_merge(*state_refs, x_smem, jnp.int32(r), part)
+                            _row_merge(
+                                *state_refs,
+                                x_smem,
+                                jnp.int32(r),
+                                part,
+                                heads_per_part=shape.heads_dim // shape.head_dim // ps[0].parts,
+                            )
                         plgpu.commit_smem()
 
             for b in range(len(ps) - 1):
@@ -580,7 +643,8 @@ def layer(
                 _store_transposed(acc, y_smem)
                 plgpu.commit_smem()
                 cols = pl.ds(tile * TILE_N, TILE_N)
-                for j, dest in enumerate((o_ref, gu_ref if direct else None, d_ref, qkv_ref)):
+                dests = (o_ref, gu_ref if direct else None, d_ref, qkv_ref)[: len(ps)]
+                for j, dest in enumerate(dests):
                     if dest is not None:
                         pl.when(phase == j)(
                             lambda dest=dest: plgpu.copy_smem_to_gmem(
@@ -664,12 +728,35 @@ def layer(
 
             with jax.named_scope("kernel"):
                 lax.fori_loop(0, sched.max_count, compute, zero)
+            if last:  # every down product stored; program 0 takes h2 and the final norm
+                plgpu.wait_smem_to_gmem(0)
+                proxy_fence()
+                grid_barrier(counters_ref, parity, len(ps) - 1, num_programs)
+
+                @pl.when(program == 0)
+                def _():
+                    for r in range(real_rows):
+                        _row_norm(
+                            d_ref,
+                            h_ref,
+                            s_next_ref,
+                            h2_ref,
+                            qkv_ref,
+                            warp_sums,
+                            jnp.int32(r),
+                            eps=EPS,
+                            write_sum=jnp.int32(1),
+                            smem=False,
+                        )
+
             plgpu.wait_smem_to_gmem(0)
 
     gu_shape = (rows, 2 * shape.inter) if direct else (rows, 2, shape.inter)
     out_types = (
         jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
-        jax.ShapeDtypeStruct((ps[3].parts, rows, shape.qkv), f32),
+        jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype)
+        if last
+        else jax.ShapeDtypeStruct((ps[3].parts, rows, shape.qkv), f32),
         jax.ShapeDtypeStruct((ps[0].parts, rows, shape.hidden), f32),
         jax.ShapeDtypeStruct((ps[1].parts, *gu_shape), f32),
         jax.ShapeDtypeStruct((ps[2].parts, rows, shape.hidden), f32),
@@ -709,10 +796,12 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
     tiles; the norms and SwiGLU as the per-thread code computes them): what the CPU can check
     of the kernel's index arithmetic, its weight order (`arrange`, or the model's matrices
     with `w` a tuple, as `layer` takes them) and its stores. Raises if an output element is
-    written twice or not at all. Returns (h2, qkv partial sums) as `layer` does, for the
-    first `real_rows` rows."""
+    written twice or not at all, or if a program's down units need parts of act other than
+    the one its prologue takes. Returns (h2, qkv partial sums), or for the last layer (h2,
+    the final norm), as `layer` does, for the first `real_rows` rows."""
     direct = isinstance(w, tuple)
-    sched = Schedule(shape, num_programs, direct)
+    last = direct and len(w) == 3
+    sched = Schedule(shape, num_programs, direct, last)
     ps = sched.phases
     if direct:
         mats = [np.asarray(m, np.float32) for m in w]
@@ -767,9 +856,11 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
             acc = np.zeros((rows, TILE_N), f32)
             for i in np.nonzero(live[prog] & (at["phase"][prog] == j))[0]:
                 k = at["k_step"][prog, i] * TILE_K
-                if j == 2:
+                if j == 2:  # the part of act the prologue took: its first unit's
                     width = shape.inter // p.parts
-                    part = info[2][0][prog] % p.parts
+                    part = int(info[2][0][prog]) % p.parts
+                    if at["part"][prog, i] != part:
+                        raise AssertionError(f"program {prog}'s down units span parts of act")
                     xj = act[:, part * width : (part + 1) * width]
                 else:
                     xj = xs[j]
@@ -783,12 +874,16 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
     for j, n in enumerate(written):
         if not (n == 1).all():
             raise AssertionError(f"phase {j}: outputs written {np.unique(n)} times")
+    if last:
+        h2 = bf16(h + bf16(outs[2].sum(0)[:, 0]))
+        return h2, norm(h2, scale_next)
     return h2, outs[3][:, :, 0]
 
 
 def reference(attn, x, wo, w_gate, w_up, wd, wqkv, scale_mlp, scale_next, *, eps=EPS):
     """The same layer as the decode step computes it (`jaxpaged.add_rms_norm`,
-    `models.decoder.MLP` for small steps), in XLA: returns h2 and qkv (summed, float32)."""
+    `models.decoder.MLP` for small steps), in XLA: returns h2 and qkv (summed, float32), or
+    with `wqkv` None (the last layer) h2 and its final norm."""
 
     def dot(a, b):
         return jnp.dot(a, b, preferred_element_type=jnp.float32)
@@ -797,7 +892,8 @@ def reference(attn, x, wo, w_gate, w_up, wd, wqkv, scale_mlp, scale_next, *, eps
     normed = rms_norm(h, scale_mlp, eps)
     act = (jax.nn.silu(dot(normed, w_gate)) * dot(normed, w_up)).astype(x.dtype)
     h2 = h + dot(act, wd).astype(x.dtype)
-    return h2, dot(rms_norm(h2, scale_next, eps), wqkv)
+    normed = rms_norm(h2, scale_next, eps)
+    return h2, normed if wqkv is None else dot(normed, wqkv)
 
 
 def looped(fn, loops=10):
@@ -874,6 +970,51 @@ def traced(profile_dir, real, x, state):
     return summary
 
 
+def check_schedules(seed=0):
+    """`simulate` against `reference` for `direct` weights over other shapes, program counts
+    and the last layer's form: what a model path would run (a CPU check)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(shape_, scale):
+        return jnp.asarray(rng.standard_normal(shape_) * scale, jnp.float32).astype(jnp.bfloat16)
+
+    tiny, mid, wide = (
+        Shape(128, 256, 256, 512, 64),
+        Shape(256, 512, 768, 1024, 64),
+        Shape(512, 512, 1536, 768),
+    )
+    cases = [(Shape(), 132, False, 1), (Shape(), 132, True, 1), (tiny, 132, False, 2),
+             (tiny, 8, True, 1), (mid, 16, False, 3), (mid, 12, True, 2), (mid, 5, False, 1),
+             (mid, 7, True, 1), (wide, 132, False, 1), (wide, 6, True, 8)]  # fmt: skip
+    out = []
+    for shape, programs, last, rows in cases:
+        wo = normal((shape.heads_dim, shape.hidden), shape.heads_dim**-0.5)
+        wg, wu = (normal((shape.hidden, shape.inter), shape.hidden**-0.5) for _ in range(2))
+        wd = normal((shape.inter, shape.hidden), shape.inter**-0.5)
+        wqkv = None if last else normal((shape.hidden, shape.qkv), shape.hidden**-0.5)
+        scales = (1 + normal((shape.hidden,), 0.1), 1 + normal((shape.hidden,), 0.1))
+        attn, x = normal((ROWS, shape.heads_dim), 1.0), normal((ROWS, shape.hidden), 1.0)
+        fused = jnp.stack([wg, wu], -1).reshape(shape.hidden, -1)
+        w = (wo, fused, wd) if last else (wo, fused, wd, wqkv)
+        case = dict(case="schedule", shape=dataclasses.astuple(shape), programs=programs)
+        case.update(last=last, rows=rows)
+        case["parts"] = [p.parts for p in phases(shape, True, programs, last)]
+        try:
+            h2, second = simulate(
+                attn, x, w, *scales, num_programs=programs, real_rows=rows, shape=shape
+            )
+            want_h2, want = reference(attn[:rows], x[:rows], wo, wg, wu, wd, wqkv, *scales)
+            second = second if last else second.sum(0)
+            for name, got, ref in (("h2", h2, want_h2), ("out", second, want)):
+                got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+                case[f"{name}_rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
+        except Exception as e:  # noqa: BLE001 - a probe records and goes on
+            case["error"] = error_text(e)
+        print(json.dumps(case), flush=True)
+        out.append(case)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
@@ -941,8 +1082,8 @@ def main():
         arranged = kernel_weights[weights]()
         x = jnp.zeros((ROWS, shape.hidden), dt).at[:real].set(normal((real, shape.hidden), 1.0))
         if splits:  # the decode kernel's unmerged states; rows past the real ones unused
-            heads = shape.heads_dim // HEAD_DIM
-            outs = normal((ROWS, splits, heads, HEAD_DIM), 1.0).astype(jnp.float32)
+            heads = shape.heads_dim // shape.head_dim
+            outs = normal((ROWS, splits, heads, shape.head_dim), 1.0).astype(jnp.float32)
             lses = 3 * normal((ROWS, splits, heads), 1.0).astype(jnp.float32)
             attn_in = (outs, lses)
         else:
@@ -1012,6 +1153,8 @@ def main():
         if args.profile_dir:
             trace = traced(args.profile_dir, real, x, (attn_in, arranged, scales))
             cases.append(dict(trace, weights=weights, splits=splits))
+    if args.simulate:
+        cases += check_schedules()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment(), probe="layer_kernel", cases=cases), f, indent=1)
