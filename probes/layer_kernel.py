@@ -503,7 +503,7 @@ def layer(
     or the model's own matrices (wo [Hq*D, hidden], the fused gate/up [hidden, 2 I], wd [I,
     hidden], the next layer's wqkv [hidden, qkv]), read where they lie by a copy warpgroup
     beside the compute warpgroup ("direct"). The two norms' scales [hidden]; `counters` a
-    `jax.new_ref` of [2, 3] int32 (see `probes.layer_stream.stream_ws`). The norms and SwiGLU
+    `jax.new_ref` of [3, 3] int32 (see `probes.layer_stream.stream_ws`). The norms and SwiGLU
     run for the first `real_rows` rows only (the rest stay zero in the next phase's x).
     Returns h2 [R, hidden] bfloat16 (the residual after the MLP; rows past `real_rows`
     undefined) and the next layer's qkv as float32 partial sums [parts, R, qkv]. The last
@@ -907,15 +907,17 @@ def looped(fn, loops=10):
 
 
 def check_layer(attn, x, w, scales, *, real_rows):
-    counters = jax.new_ref(jnp.zeros((2, 3), jnp.int32))
-    return layer(attn, x, w, *scales, counters, parity=0, real_rows=real_rows)
+    """One layer; also how many programs gave up on each barrier (`grid_barrier`)."""
+    counters = jax.new_ref(jnp.zeros((3, 3), jnp.int32))
+    h2, second = layer(attn, x, w, *scales, counters, parity=0, real_rows=real_rows)
+    return h2, second, counters[2]
 
 
 def kernel_layers(x, state, **kw):
     """The layers chained, each one's h2 the next one's x (rows past `real_rows` undefined);
     `kw` as `layer`'s."""
     attn, arranged, scales = state
-    counters = jax.new_ref(jnp.zeros((2, 3), jnp.int32))
+    counters = jax.new_ref(jnp.zeros((3, 3), jnp.int32))
     for n, (w, (s_mlp, s_next)) in enumerate(zip(arranged, scales, strict=True)):
         x, _ = layer(attn, x, w, s_mlp, s_next, counters, parity=n % 2, **kw)
     return x
@@ -1100,7 +1102,8 @@ def main():
                 )
             else:
                 fn = jax.jit(functools.partial(check_layer, real_rows=real))
-                h2, qkv = fn(attn_in, x, arranged[0], scales[0])
+                h2, qkv, failed = fn(attn_in, x, arranged[0], scales[0])
+                check["barrier_give_ups"] = np.asarray(failed).tolist()
                 again = fn(attn_in, x, arranged[0], scales[0])
                 check["repeat_equal"] = bool(
                     (np.asarray(again[1]) == np.asarray(qkv)).all()

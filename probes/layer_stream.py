@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import memref
+from jax._src.lib.mlir.dialects import arith, memref, scf
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -252,11 +252,18 @@ def _fetch_add(counter, claim_smem):
     fetch(counter, claim_smem)
 
 
+# Polls before a barrier gives up (about a second under load): a wrong barrier then shows as a
+# count in `counters[2]` instead of a kernel that never ends.
+MAX_POLLS = 1 << 20
+
+
 def grid_barrier(counters, parity: int, barrier: int, num_programs: int):
     """The warpgroups of all `num_programs` programs meet at `counters[parity, barrier]`: one
     thread's release add of 1 at GPU scope, then its acquire poll until the count reaches
     `num_programs`, as `plgpu.semaphore_signal` / `semaphore_wait` do on their own
-    semaphores, on a plain int32 ref that outlives the call."""
+    semaphores, on a plain int32 ref that outlives the call ([3, barriers]). After
+    `MAX_POLLS` polls the program goes on and adds 1 to `counters[2, barrier]`, which a
+    caller reads to know that the barrier failed."""
     width = counters.shape[1]
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
@@ -265,10 +272,35 @@ def grid_barrier(counters, parity: int, barrier: int, num_programs: int):
         i32 = ir.IntegerType.get_signless(32)
         base = mgpu_utils.memref_ptr(counters_ref)
         ptr = mgpu_utils.getelementptr(base, [parity * width + barrier], i32)
-        semaphore = mgpu_utils.SemaphoreRef(ptr)
+        failed = mgpu_utils.getelementptr(base, [2 * width + barrier], i32)
         mgpu_utils.warpgroup_barrier()  # every thread's stores before the one thread's release
-        semaphore.signal(1, memory_scope="gpu")
-        semaphore.wait(num_programs, decrement=False, memory_scope="gpu")
+        mgpu_utils.SemaphoreRef(ptr).signal(1, memory_scope="gpu")
+        with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
+            loop = scf.WhileOp([i32, i32], [mgpu_utils.c(0, i32), mgpu_utils.c(0, i32)])
+            before = loop.before.blocks.append(i32, i32)
+            with ir.InsertionPoint(before):
+                polls, _ = before.arguments
+                count = mgpu_utils.inline_ptx(
+                    "ld.relaxed.gpu.global.b32 $0, [$1];",
+                    ptr,
+                    result_types=i32,
+                    has_side_effects=True,
+                )
+                short = arith.cmpi(arith.CmpIPredicate.ult, count, mgpu_utils.c(num_programs, i32))
+                more = arith.cmpi(arith.CmpIPredicate.ult, polls, mgpu_utils.c(MAX_POLLS, i32))
+                polls = arith.addi(polls, mgpu_utils.c(1, i32))
+                scf.condition(arith.andi(short, more), [polls, count])
+            after = loop.after.blocks.append(i32, i32)
+            with ir.InsertionPoint(after):
+                scf.yield_(after.arguments)
+            _, count = loop.results
+            gave_up = arith.cmpi(arith.CmpIPredicate.ult, count, mgpu_utils.c(num_programs, i32))
+            with mgpu_utils.when(gave_up):
+                mgpu_utils.inline_ptx(
+                    "red.relaxed.gpu.global.add.u32 [$0], 1;", failed, has_side_effects=True
+                )
+            mgpu_utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
+        mgpu_utils.warpgroup_barrier()
 
     meet(counters)
 
@@ -321,11 +353,12 @@ def stream_ws(
       must load the last phase's outputs (the norm's partial sums, the SwiGLU product) before
       it can use them. This prices the load that queues behind the program's weight copies
       already in flight (session 28).
-    - `counters` (a `jax.new_ref` of [2, barriers] int32, zero when first used): the barriers
+    - `counters` (a `jax.new_ref` of [3, barriers] int32, zero when first used): the barriers
       count in `counters[parity]` instead of `pl.get_global` semaphores, which XLA zeroes
       before every call with a memset node (1.39 us in the step, run 154). Program 0 zeroes
       `counters[1 - parity]` as it starts, for the next call: calls that alternate `parity`
-      (in stream order, so the call before has finished) never need a memset."""
+      (in stream order, so the call before has finished) never need a memset. `counters[2]`
+      counts the programs that gave up waiting (`grid_barrier`)."""
     rows, k = x.shape
     n = w.shape[1]
     assert n == sum(phase_cols) and k % tile_k == 0 and rows % 8 == 0
@@ -584,7 +617,7 @@ def ws_layers(xs, ws, *, dependent_kb=0, counters=False, **kw):
     if dependent_kb:
         kw["act"] = jnp.ones((dependent_kb * 2, 128), jnp.float32)
     if counters:
-        kw["counters"] = jax.new_ref(jnp.zeros((2, len(PHASE_COLS) - 1), jnp.int32))
+        kw["counters"] = jax.new_ref(jnp.zeros((3, len(PHASE_COLS) - 1), jnp.int32))
     out = [stream_ws(xs, w, phase_cols=PHASE_COLS, parity=n % 2, **kw) for n, w in enumerate(ws)]
     return out
 
