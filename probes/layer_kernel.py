@@ -94,8 +94,9 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One projection: K, its output columns (for gate/up the columns of gate alone), the parts
-    of K its units take, and whether a unit is a gate tile and its up tile."""
+    """One projection: K, its output columns (for a `pair` phase the columns of gate alone;
+    `direct`'s gate/up has the fused matrix's 2 I), the parts of K its units take, and
+    whether a unit is a gate tile and its up tile (`arrange`'s gate/up)."""
 
     k: int
     cols: int
