@@ -21,6 +21,12 @@ TEST_CACHE ?= $(CURDIR)/build/jax-cache
 TEST_ENV = JAX_COMPILATION_CACHE_DIR=$(TEST_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.25 \
 	XLA_FLAGS="--xla_backend_optimization_level=0 $(XLA_FLAGS)"
 
+# A second environment for the tests that compile the decode step for an H200 on a machine
+# without one (`probes.deviceless`, tests/test_deviceless.py): JAX with the CUDA PJRT plugin
+# but none of the NVIDIA libraries (~1 GB, not 4.5). Apart from .venv, where JAX would try
+# the plugin's GPU backend in every process and print its failure.
+DEVICELESS := build/deviceless
+
 .PHONY: demo test lint gpu-test clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
@@ -29,17 +35,25 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml constraints.txt
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $@
 
+$(DEVICELESS)/.installed: constraints.txt
+	test -x $(DEVICELESS)/bin/python || $(PYTHON) -m venv $(DEVICELESS)
+	$(DEVICELESS)/bin/python -m pip install -q -c constraints.txt jax jaxlib flax numpy \
+		safetensors tokenizers
+	$(DEVICELESS)/bin/python -m pip install -q -c constraints.txt --no-deps jax-cuda13-plugin \
+		jax-cuda13-pjrt
+	touch $@
+
 demo: $(VENV)/.installed-$(EXTRAS)
 	$(VENV)/bin/python -m models.generate $(DEMO_ARGS)
 
 lint: $(VENV)/.installed-$(EXTRAS)
 	$(VENV)/bin/ruff check .
 
-test: lint
-	$(TEST_ENV) $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_ARGS)
+test: lint $(DEVICELESS)/.installed
+	$(TEST_ENV) JAXPAGED_DEVICELESS_PYTHON=$(CURDIR)/$(DEVICELESS)/bin/python $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_ARGS)
 
 gpu-test: $(VENV)/.installed-$(EXTRAS)
 	$(VENV)/bin/python -m pytest -q -m gpu $(TEST_ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(DEVICELESS)

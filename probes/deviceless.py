@@ -7,9 +7,11 @@ kernels a step launches, and how it compiles a dot (a GEMM fusion, or the multip
 one row). It does not give times, and GEMM configs are not autotuned. Session 48 checked it
 against run 209's CUPTI kernels of the B=1 decode block (benchmarks/NOTES.md).
 
-The plugin, without the NVIDIA libraries (about 400 MB; not a test dependency):
+The plugin, without the NVIDIA libraries (~1 GB in all, not a dependency of the package;
+`make test` makes this environment, `build/deviceless`):
 
-    pip install --no-deps jax-cuda13-plugin==0.11.2 jax-cuda13-pjrt==0.11.2
+    pip install -c constraints.txt jax jaxlib flax numpy safetensors tokenizers
+    pip install -c constraints.txt --no-deps jax-cuda13-plugin jax-cuda13-pjrt
     JAX_PLATFORMS=cpu python -m probes.deviceless --batch 1 [--min-decode-rows N] [--dump F]
 
 It lists the kernels of one decode step of the engine's block (the `while` body and its
@@ -21,6 +23,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -123,15 +126,40 @@ def _after_shape(text: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """One launch: `where` is "entry", "body" or "condition" (of the outermost `while`), `kind`
-    "custom call" (named by the Pallas kernel), "gemm", "fusion" or the opcode."""
+    "custom call" (named by the Pallas kernel), "gemm", "dot as reduce" (a fusion that
+    multiplies, transposes or reduces a weight-sized array: a dot that XLA rewrote, the
+    issue's multiply + reduce of one row), "fusion" or the opcode."""
 
     where: str
     kind: str
     name: str
 
 
-def kernels(text: str) -> list[Kernel]:
-    """The launches of an optimized HLO module, through its loops and branches in order."""
+def _elements(shape: str) -> int:
+    dims = re.match(r"\w+\[([\d,]*)\]", shape).group(1)
+    return math.prod(int(d) for d in dims.split(",") if d)
+
+
+def _rewrites_a_dot(lines: list[str], matrix_elements: int) -> bool:
+    """Whether a fused computation multiplies, transposes or reduces `matrix_elements` or
+    more: work on a weight matrix that only a dot should do."""
+    sizes = {}
+    for line in lines:
+        name, opcode, rest = _instruction(line)
+        shape = re.match(r"\s*(?:ROOT )?%\S+ = (\S+)", line).group(1)
+        sizes[name] = _elements(shape) if not shape.startswith("(") else 0
+        if opcode in ("multiply", "transpose") and sizes[name] >= matrix_elements:
+            return True
+        if opcode == "reduce":
+            operand = re.match(r"\s*reduce\(%([^\s,)]+)", rest).group(1)
+            if sizes.get(operand, 0) >= matrix_elements:
+                return True
+    return False
+
+
+def kernels(text: str, matrix_elements: int = 2048 * 2048) -> list[Kernel]:
+    """The launches of an optimized HLO module, through its loops and branches in order.
+    `matrix_elements`: the smallest weight matrix (the default, `1b`'s o projection)."""
     computations, entry = _computations(text)
     found = []
 
@@ -152,8 +180,14 @@ def kernels(text: str) -> list[Kernel]:
                 pallas = re.search(r'op_name="[^"]*/(\w+)/mpmd_map"', rest)
                 found.append(Kernel(where, "custom call", pallas.group(1) if pallas else name))
             elif opcode == "fusion":
-                gemm = "kind=kCustom" in rest and "gemm_fusion" in name
-                found.append(Kernel(where, "gemm" if gemm else "fusion", name))
+                fused = computations[re.search(r"calls=%([^\s,]+)", rest).group(1)]
+                if "kind=kCustom" in rest and "gemm_fusion" in name:
+                    kind = "gemm"
+                elif _rewrites_a_dot(fused, matrix_elements):
+                    kind = "dot as reduce"
+                else:
+                    kind = "fusion"
+                found.append(Kernel(where, kind, name))
             elif opcode not in NO_LAUNCH:
                 found.append(Kernel(where, opcode, name))
 

@@ -1,8 +1,37 @@
-"""`probes.deviceless.kernels`: the launches of an optimized HLO module, read from its text.
-The compile for an H200 itself needs the CUDA PJRT plugin, which the tests do not install;
-this is a module in the form XLA 0.11.2 prints it (lines from the engine's block, shortened)."""
+"""What XLA compiles for an H200, on a machine without one (`probes.deviceless`).
+
+`kernels` reads the launches from an optimized HLO module's text; the first test holds it to a
+module in the form XLA 0.11.2 prints it (lines from the engine's block, shortened). The compile
+itself needs the CUDA PJRT plugin, which `make test` installs in an environment of its own
+(`JAXPAGED_DEVICELESS_PYTHON`); the others run the probe there, in a subprocess.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from probes.deviceless import Kernel, kernels
+
+
+def _has_cuda_plugin() -> bool:
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    except ModuleNotFoundError:  # no plugin at all
+        return False
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = os.environ.get("JAXPAGED_DEVICELESS_PYTHON") or (
+    sys.executable if _has_cuda_plugin() else None
+)
+needs_plugin = pytest.mark.skipif(
+    PYTHON is None, reason="no CUDA PJRT plugin: `make test` sets JAXPAGED_DEVICELESS_PYTHON"
+)
 
 HLO = """HloModule jit_block, entry_computation_layout={(s32[])->s32[]}
 
@@ -64,3 +93,34 @@ def test_kernels_are_the_launches_reached_from_the_entry():
         Kernel("body", "gemm", "gemm_fusion_dot.1"),
         Kernel("body", "fusion", "loop_add_fusion"),
     ]
+
+
+def _decode_block(*args: str) -> dict:
+    """`probes.deviceless` on the engine's B=1 decode block of a 2-layer `1b`."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
+    }
+    run = subprocess.run(
+        [PYTHON, "-m", "probes.deviceless", "--batch", "1", "--layers", "2", "--json", *args],
+        cwd=ROOT,
+        env=env | {"JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@needs_plugin
+def test_each_projection_of_a_decode_step_is_a_gemm_on_an_h200():
+    """The issue's multiply + reduce (XLA rewrites a dot of one row): the engine's B=1 step in
+    two sequence slots compiles every projection as a GEMM, and in one slot (the control that
+    shows the check can fail) XLA rewrites all of the layers' (qkv, o, gate/up, down), the
+    logits staying a GEMM."""
+    two = _decode_block()
+    assert two["rows"] == 2 and "dot as reduce" not in two["by_kind"], two
+    assert two["by_kind"]["gemm"] == 4 * 2 + 1, two
+    one = _decode_block("--min-decode-rows", "1")
+    assert one["rows"] == 1 and one["by_kind"]["gemm"] == 1, one
+    assert one["by_kind"]["dot as reduce"] >= 4 * 2, one
