@@ -409,6 +409,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--profile", action="store_true", help="CUPTI GPU time per step")
     parser.add_argument(
+        "--layer-kernel",
+        action="store_true",
+        help="decode steps of at most 8 rows run `Decoder(layer_kernel=True)`'s path",
+    )
+    parser.add_argument(
         "--top-kernels", type=int, default=12, help="with --profile: the costliest kernels listed"
     )
     parser.add_argument(
@@ -477,6 +482,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.no_baseline = True
     else:
         model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
+    model.layer_kernel = args.layer_kernel
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     extra = tuple(_xla_option(text) for text in args.xla_option)
@@ -577,6 +583,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             + "".join(f", {name}={value} (decode)" for name, value in decode_extra),
             implementation=implementation["ragged" if case["kind"] == "prefill" else "decode"],
         )
+        if args.layer_kernel:
+            case["layer_kernel"] = True
     if args.out:
         write_results(args.out, "e2e", cases)
     return cases

@@ -13,6 +13,7 @@ from flax import nnx
 
 import jaxpaged
 from models.config import ModelConfig
+from pallas_kernels.common import merge_splits
 
 KVPages = list[tuple[jax.Array, jax.Array]]  # per layer (k_pages, v_pages) [P, page_size, Hkv, D]
 
@@ -136,12 +137,80 @@ def _add_norm(x, h, norm: nnx.RMSNorm, implementation) -> tuple[jax.Array, jax.A
     )
 
 
+def post_attention(
+    states: tuple[jax.Array, jax.Array],
+    x: jax.Array,
+    layer: DecoderLayer,
+    next_norm: nnx.RMSNorm,
+    next_qkv: nnx.Linear | None,
+    counters,
+    *,
+    parity: int,
+    implementation: str | None,
+) -> tuple[jax.Array, jax.Array]:
+    """A decode step's layer after its attention, through the next layer's norm and qkv
+    projection: the split merge, o, the residual add and norm, the MLP, the residual add, the
+    next norm and the next qkv. One Mosaic GPU kernel (`pallas_kernels.mosaic.layer`) unless
+    `implementation` is "xla" (the same arithmetic in XLA, as the step's own path computes
+    it).
+
+    Args:
+      states: the attention's split states (`PagedAttention.attend_states`), S >= R rows.
+      x: [R, hidden] the residual stream.
+      layer: the layer; next_norm: the next layer's input norm (the last layer: the final
+        norm); next_qkv: the next layer's qkv projection (the last layer: None).
+      counters: the kernel's barrier counters (`layer_counters`), shared by a step's layers,
+        which take `parity` 0 and 1 in turn.
+
+    Returns:
+      `(x + attention + mlp [R, hidden], qkv)`: qkv float32 partial sums [parts, R, qkv cols]
+      of the next layer's projection; the last layer the final norm [R, hidden] instead.
+    """
+    weights = (
+        layer.attn.o_proj.kernel[...],
+        layer.mlp.gate_up_proj.kernel[...],
+        layer.mlp.down_proj.kernel[...],
+    )
+    if next_qkv is not None:
+        weights += (next_qkv.kernel[...],)
+    scales = (layer.post_attention_norm.scale[...], next_norm.scale[...])
+    eps = next_norm.epsilon
+    if implementation != "xla":
+        from pallas_kernels.mosaic import layer as mosaic  # noqa: PLC0415
+
+        return mosaic.post_attention(states, x, weights, *scales, counters, parity=parity, eps=eps)
+    precision = layer.attn.o_proj.precision
+
+    def dot(a, w):
+        return jnp.dot(a, w, precision=precision, preferred_element_type=jnp.float32)
+
+    out, lse = states
+    attn, _ = merge_splits(out[: x.shape[0]], lse[: x.shape[0]], out_dtype=x.dtype)
+    h = x + dot(attn.reshape(x.shape[0], -1), weights[0]).astype(x.dtype)
+    normed = jaxpaged.layers.rms_norm(h, scales[0], layer.post_attention_norm.epsilon)
+    gate, up = split_gate_up(dot(normed, weights[1]))
+    h2 = h + dot((jax.nn.silu(gate) * up).astype(x.dtype), weights[2]).astype(x.dtype)
+    normed = jaxpaged.layers.rms_norm(h2, scales[1], eps)
+    return h2, normed if next_qkv is None else dot(normed, weights[3])[None]
+
+
+def layer_counters() -> jax.Array:
+    """The barrier counters a step's `post_attention` kernels share: a new int32 [3, 3] zero
+    ref (`pallas_kernels.mosaic.layer.grid_barrier`)."""
+    return jax.new_ref(jnp.zeros((3, 3), jnp.int32))
+
+
 class Decoder(nnx.Module):
     """Token ids of a ragged batch in, final hidden states out; `logits` maps them to the
-    vocabulary (so a step can project only the rows it samples from)."""
+    vocabulary (so a step can project only the rows it samples from).
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    `layer_kernel`: decode steps of at most 8 rows run each layer's work after attention as
+    one kernel (`post_attention`) where it applies (`runs_layer_kernel`). Not yet measured on
+    the GPU: off by default."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_kernel: bool = False):
         self.config = config
+        self.layer_kernel = layer_kernel
         self.embed = nnx.Embed(
             config.vocab_size,
             config.hidden_size,
@@ -182,6 +251,8 @@ class Decoder(nnx.Module):
     ) -> tuple[jax.Array, KVPages]:
         """tokens: i32[T] packed like the attention's `q`; kv_pages: one (k, v) per layer.
         Returns the normalized hidden states [T, hidden] and the updated pages."""
+        if self.runs_layer_kernel(tokens.shape[0], kv_pages, meta, implementation):
+            return self._decode_layer_kernel(tokens, kv_pages, meta, implementation)
         x, h = self.embed(tokens), None
         new_pages = []
         for layer, (k_pages, v_pages) in zip(self.layers, kv_pages, strict=True):
@@ -191,6 +262,86 @@ class Decoder(nnx.Module):
             )
             new_pages.append((k_pages, v_pages))
         return _add_norm(x, h, self.norm, implementation)[1], new_pages
+
+    def runs_layer_kernel(
+        self, num_tokens: int, kv_pages: KVPages, meta: jaxpaged.StepMetadata, implementation
+    ) -> bool:
+        """Whether a step runs `_decode_layer_kernel`: with `layer_kernel`, a decode step of
+        at most 8 rows without shared prefixes or tensor parallelism, a model without
+        projection biases; on Hopper where the Mosaic GPU decode kernel folds `rope_append`
+        and `pallas_kernels.mosaic.layer` takes the shape (bfloat16), or anywhere with
+        `implementation` "xla" (the same structure in XLA: the path's reference)."""
+        config = self.config
+        if not (self.layer_kernel and meta.decode and meta.kv_slots is not None):
+            return False
+        if meta.prefix_groups is not None or jaxpaged.layers.tensor_parallel_size() > 1:
+            return False
+        if config.qkv_bias or config.o_bias or num_tokens > 8:
+            return False
+        if implementation == "xla":
+            return True
+        if jax.default_backend() != "gpu" or implementation not in (None, "mosaic"):
+            return False
+        from pallas_kernels.mosaic import layer as mosaic  # noqa: PLC0415
+
+        group = config.num_q_heads // config.num_kv_heads
+        qkv = jax.ShapeDtypeStruct(  # the first layer's projection, as `_qkv` makes it
+            (
+                jaxpaged.layers.DECODE_SPLIT_K,
+                num_tokens,
+                config.num_kv_heads,
+                group + 2,
+                config.head_dim,
+            ),
+            jnp.float32,
+        )
+        if not jaxpaged.layers.folds_rope(qkv, *kv_pages[0], meta, implementation):
+            return False
+        attn, mlp = self.layers[0].attn, self.layers[0].mlp
+        for wqkv in (attn.qkv_proj.kernel[...], None):  # a layer, the last layer
+            shape = mosaic.model_shape(
+                attn.o_proj.kernel[...],
+                mlp.gate_up_proj.kernel[...],
+                mlp.down_proj.kernel[...],
+                wqkv,
+                config.head_dim,
+            )
+            if mosaic.supported(shape, num_tokens, config.dtype) is not None:
+                return False
+        return True
+
+    def _decode_layer_kernel(self, tokens, kv_pages, meta, implementation):
+        """`__call__` for a decode step, each layer's work after attention in one
+        `post_attention` call: the first layer's norm and qkv projection, then per layer
+        its attention (`attend_states`) and `post_attention`, which hands the next layer its
+        qkv projection, and the last the final norm."""
+        x = self.embed(tokens)
+        first = self.layers[0]
+        group = self.config.num_q_heads // self.config.num_kv_heads
+        shape = (x.shape[0], self.config.num_kv_heads, group + 2, self.config.head_dim)
+        qkv = first.attn._qkv(first.input_norm(x), partial=True)
+        counters = None if implementation == "xla" else layer_counters()
+        new_pages = []
+        for i, (layer, (k_pages, v_pages)) in enumerate(zip(self.layers, kv_pages, strict=True)):
+            states, k_pages, v_pages = layer.attn.attend_states(
+                qkv, k_pages, v_pages, meta, implementation=implementation
+            )
+            new_pages.append((k_pages, v_pages))
+            last = i == len(self.layers) - 1
+            nxt = None if last else self.layers[i + 1]
+            x, out = post_attention(
+                states,
+                x,
+                layer,
+                self.norm if last else nxt.input_norm,
+                None if last else nxt.attn.qkv_proj,
+                counters,
+                parity=i % 2,
+                implementation=implementation,
+            )
+            if not last:
+                qkv = out.reshape(out.shape[0], *shape)
+        return out, new_pages
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[N, hidden] -> f32[N, vocab].

@@ -51,13 +51,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, memref, scf
+from jax._src.lib.mlir.dialects import memref
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.common import environment, error_text, kernel_time_ms, step_time_ms
 from pallas_kernels.common import device_num_sms
+from pallas_kernels.mosaic.layer import grid_barrier, proxy_fence, select
 from pallas_kernels.mosaic.pipeline import TILED
 
 HIDDEN, QKV, INTER = 2048, 4096, 6144
@@ -219,15 +220,6 @@ def stream(
     )(x, w)
 
 
-def select(values, index):
-    """values[index] for a static list (of ints or traced int32 scalars) and a traced index
-    (Mosaic GPU indexes no constants)."""
-    out = jnp.asarray(values[0], jnp.int32)
-    for j, v in enumerate(values[1:], 1):
-        out = jnp.where(index == j, jnp.asarray(v, jnp.int32), out)
-    return out
-
-
 def _fetch_add(counter, claim_smem):
     """claim_smem[0] = atomicAdd(counter, 1) for the whole warpgroup: one thread's relaxed
     GPU-scope `atom.add` (Pallas' `atomic_add` returns nothing), handed to the others through
@@ -250,67 +242,6 @@ def _fetch_add(counter, claim_smem):
         mgpu_utils.warpgroup_barrier()
 
     fetch(counter, claim_smem)
-
-
-# Polls before a barrier gives up (about a second under load): a wrong barrier then shows as a
-# count in `counters[2]` instead of a kernel that never ends.
-MAX_POLLS = 1 << 20
-
-
-def grid_barrier(counters, parity: int, barrier: int, num_programs: int):
-    """The warpgroups of all `num_programs` programs meet at `counters[parity, barrier]`: one
-    thread's release add of 1 at GPU scope, then its acquire poll until the count reaches
-    `num_programs`, as `plgpu.semaphore_signal` / `semaphore_wait` do on their own
-    semaphores, on a plain int32 ref that outlives the call ([3, barriers]). After
-    `MAX_POLLS` polls the program goes on and adds 1 to `counters[2, barrier]`, which a
-    caller reads to know that the barrier failed."""
-    width = counters.shape[1]
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def meet(ctx, counters_ref):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        base = mgpu_utils.memref_ptr(counters_ref)
-        ptr = mgpu_utils.getelementptr(base, [parity * width + barrier], i32)
-        failed = mgpu_utils.getelementptr(base, [2 * width + barrier], i32)
-        mgpu_utils.warpgroup_barrier()  # every thread's stores before the one thread's release
-        mgpu_utils.SemaphoreRef(ptr).signal(1, memory_scope="gpu")
-        with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
-            loop = scf.WhileOp([i32, i32], [mgpu_utils.c(0, i32), mgpu_utils.c(0, i32)])
-            before = loop.before.blocks.append(i32, i32)
-            with ir.InsertionPoint(before):
-                polls, _ = before.arguments
-                count = mgpu_utils.inline_ptx(
-                    "ld.relaxed.gpu.global.b32 $0, [$1];",
-                    ptr,
-                    result_types=i32,
-                    has_side_effects=True,
-                )
-                short = arith.cmpi(arith.CmpIPredicate.ult, count, mgpu_utils.c(num_programs, i32))
-                more = arith.cmpi(arith.CmpIPredicate.ult, polls, mgpu_utils.c(MAX_POLLS, i32))
-                polls = arith.addi(polls, mgpu_utils.c(1, i32))
-                scf.condition(arith.andi(short, more), [polls, count])
-            after = loop.after.blocks.append(i32, i32)
-            with ir.InsertionPoint(after):
-                scf.yield_(after.arguments)
-            _, count = loop.results
-            gave_up = arith.cmpi(arith.CmpIPredicate.ult, count, mgpu_utils.c(num_programs, i32))
-            with mgpu_utils.when(gave_up):
-                mgpu_utils.inline_ptx(
-                    "red.relaxed.gpu.global.add.u32 [$0], 1;", failed, has_side_effects=True
-                )
-            mgpu_utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
-        mgpu_utils.warpgroup_barrier()
-
-    meet(counters)
-
-
-@plgpu.inline_mgpu()
-def proxy_fence(ctx):
-    """Orders this thread's TMA (async proxy) accesses of global memory against its ordinary
-    ones: stores complete before a barrier's arrival, loads after its release."""
-    del ctx
-    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
 def stream_ws(

@@ -1,0 +1,924 @@
+"""A decoder layer's work after attention as one persistent Mosaic GPU kernel (Hopper), for
+decode steps of at most 8 rows (issue 20; benchmarks/NOTES.md, sessions 45-46).
+
+At B=1 the `1b` decode step spends ~40.5 us a layer in eight kernels after the decode kernel
+(runs 176, 209): the split merge, o, `add_rms_norm`, gate/up, SwiGLU, down, `add_rms_norm` and
+the next layer's qkv. Each pays a ramp and a tail. This kernel runs them as phases of one
+launch, one program per SM; its weight tiles ([128, 64], TMA) come through one pipeline
+across all four phases, so the next phase's copies are in flight while a program waits at a
+grid barrier:
+
+  - o's programs merge the decode kernel's unmerged split states of their heads (or take a
+    merged attention output); phase o: attn [R, Hq*D] @ Wo as float32 partial sums over
+    parts of K;
+  - barrier; each program sums them with the residual x (h = x + o, as `add_rms_norm` does)
+    and writes the RMSNorm of h into shared memory as the next phase's x; program 0 keeps h;
+  - phase gate/up: normed @ [gate | up], float32 partial sums over parts of K;
+  - barrier; each program with a down unit takes SwiGLU of its part of the intermediate
+    dimension (the partial sums added, `silu(gate) * up` rounded once, as `models.decoder.MLP`
+    does for small steps);
+  - phase down: act @ Wd, partial sums over parts of K;
+  - barrier; each program takes h2 = h + down and the next layer's input norm of it; program
+    0 writes h2, the kernel's first output;
+  - phase qkv: normed @ Wqkv (the next layer's), float32 partial sums, the kernel's second
+    output (the Mosaic decode kernel's fold sums such parts). The last layer has no qkv: after
+    down a last barrier, and program 0 writes h2 and the final norm.
+
+Work is split into units (a 64-column tile and a part of K), dealt round-robin to the programs
+(`Schedule`). The weights come either as the model's own matrices, read where they lie by a
+copy warpgroup ("direct", what the model path runs), or as a copy in the order the units read
+them (`probes.layer_kernel.arrange`, streamed by `emit_pipeline` in one warpgroup). The
+barriers count in a ref that outlives the call (`grid_barrier`), so no memset precedes it.
+`probes.layer_kernel` measures the kernel and runs `Schedule` in NumPy (`simulate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, scf, vector
+from jax._src.lib.mlir.dialects import math as mlir_math
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import device_num_sms
+from pallas_kernels.mosaic.common import launch
+from pallas_kernels.mosaic.merge import merge_values
+from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
+
+TILE_N, TILE_K = 64, 128
+ROWS = 8  # the padded rows: x is `wgmma`'s N
+RUN = 4  # columns a thread takes at once in the per-thread code
+THREADS = 128
+
+
+def select(values, index):
+    """values[index] for a static list (of ints or traced int32 scalars) and a traced index
+    (Mosaic GPU indexes no constants)."""
+    out = jnp.asarray(values[0], jnp.int32)
+    for j, v in enumerate(values[1:], 1):
+        out = jnp.where(index == j, jnp.asarray(v, jnp.int32), out)
+    return out
+
+
+# Polls before a barrier gives up (about a second under load): a wrong barrier then shows as a
+# count in `counters[2]` instead of a kernel that never ends.
+MAX_POLLS = 1 << 20
+
+
+def grid_barrier(counters, parity: int, barrier: int, num_programs: int):
+    """The warpgroups of all `num_programs` programs meet at `counters[parity, barrier]`: one
+    thread's release add of 1 at GPU scope, then its acquire poll until the count reaches
+    `num_programs`, as `plgpu.semaphore_signal` / `semaphore_wait` do on their own
+    semaphores, on a plain int32 ref that outlives the call ([3, barriers]). After
+    `MAX_POLLS` polls the program goes on and adds 1 to `counters[2, barrier]`, which a
+    caller reads to know that the barrier failed."""
+    width = counters.shape[1]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def meet(ctx, counters_ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        base = mgpu_utils.memref_ptr(counters_ref)
+        ptr = mgpu_utils.getelementptr(base, [parity * width + barrier], i32)
+        failed = mgpu_utils.getelementptr(base, [2 * width + barrier], i32)
+        mgpu_utils.warpgroup_barrier()  # every thread's stores before the one thread's release
+        mgpu_utils.SemaphoreRef(ptr).signal(1, memory_scope="gpu")
+        with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
+            loop = scf.WhileOp([i32, i32], [mgpu_utils.c(0, i32), mgpu_utils.c(0, i32)])
+            before = loop.before.blocks.append(i32, i32)
+            with ir.InsertionPoint(before):
+                polls, _ = before.arguments
+                count = mgpu_utils.inline_ptx(
+                    "ld.relaxed.gpu.global.b32 $0, [$1];",
+                    ptr,
+                    result_types=i32,
+                    has_side_effects=True,
+                )
+                short = arith.cmpi(arith.CmpIPredicate.ult, count, mgpu_utils.c(num_programs, i32))
+                more = arith.cmpi(arith.CmpIPredicate.ult, polls, mgpu_utils.c(MAX_POLLS, i32))
+                polls = arith.addi(polls, mgpu_utils.c(1, i32))
+                scf.condition(arith.andi(short, more), [polls, count])
+            after = loop.after.blocks.append(i32, i32)
+            with ir.InsertionPoint(after):
+                scf.yield_(after.arguments)
+            _, count = loop.results
+            gave_up = arith.cmpi(arith.CmpIPredicate.ult, count, mgpu_utils.c(num_programs, i32))
+            with mgpu_utils.when(gave_up):
+                mgpu_utils.inline_ptx(
+                    "red.relaxed.gpu.global.add.u32 [$0], 1;", failed, has_side_effects=True
+                )
+            mgpu_utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
+        mgpu_utils.warpgroup_barrier()
+
+    meet(counters)
+
+
+@plgpu.inline_mgpu()
+def proxy_fence(ctx):
+    """Orders this thread's TMA (async proxy) accesses of global memory against its ordinary
+    ones: stores complete before a barrier's arrival, loads after its release."""
+    del ctx
+    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    hidden: int = 2048
+    heads_dim: int = 2048  # Hq * D, o's K
+    inter: int = 6144
+    qkv: int = 4096  # (Hq + 2 Hkv) * D
+    head_dim: int = 128  # D
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One projection: K, its output columns (for a `pair` phase the columns of gate alone;
+    `direct`'s gate/up has the fused matrix's 2 I), the parts of K its units take, and
+    whether a unit is a gate tile and its up tile (`arrange`'s gate/up)."""
+
+    k: int
+    cols: int
+    parts: int
+    pair: bool = False
+
+    @property
+    def units(self) -> int:
+        return self.cols // TILE_N * self.parts
+
+    @property
+    def steps(self) -> int:  # weight tiles a unit reads
+        return self.k // TILE_K // self.parts * (2 if self.pair else 1)
+
+
+def phases(
+    shape: Shape, direct: bool = False, num_programs: int = 132, last: bool = False
+) -> tuple[Phase, ...]:
+    """o, gate/up, down and, unless `last`, qkv. `arrange`'s form is the `1b` shape's: gate/up's
+    units a gate tile and its up tile over a quarter of K. `direct`: 64 columns of each of the
+    model's matrices (the fused gate/up [hidden, 2 I] in its interleaved columns,
+    `models.decoder.split_gate_up`), each phase's parts of K from `choose_parts`."""
+    if not direct:
+        assert not last
+        return (
+            Phase(shape.heads_dim, shape.hidden, 4),
+            Phase(shape.hidden, shape.inter, 4, pair=True),
+            Phase(shape.inter, shape.hidden, 4),
+            Phase(shape.hidden, shape.qkv, 2),
+        )
+    heads = shape.heads_dim // shape.head_dim
+
+    # o's parts are whole heads that one warpgroup merges (4 elements a thread). A program's
+    # o units, and its down units, must share their part of K, the part its prologue merges
+    # or takes SwiGLU of (`Schedule` deals part q to programs q mod parts, so P a multiple of
+    # the parts, or one unit a program, does).
+    def shared(d, cols):
+        return num_programs % d == 0 or cols // TILE_N * d <= num_programs
+
+    o_parts = choose_parts(
+        shape.heads_dim,
+        shape.hidden,
+        num_programs,
+        ok=lambda d: (
+            heads % d == 0 and shape.heads_dim // d <= THREADS * RUN and shared(d, shape.hidden)
+        ),
+    )
+    down_parts = choose_parts(
+        shape.inter, shape.hidden, num_programs, ok=lambda d: num_programs % d == 0
+    )
+    layers = [
+        Phase(shape.heads_dim, shape.hidden, o_parts),
+        Phase(
+            shape.hidden, 2 * shape.inter, choose_parts(shape.hidden, 2 * shape.inter, num_programs)
+        ),
+        Phase(shape.inter, shape.hidden, down_parts),
+    ]
+    if not last:
+        layers.append(
+            Phase(shape.hidden, shape.qkv, choose_parts(shape.hidden, shape.qkv, num_programs))
+        )
+    return tuple(layers)
+
+
+def choose_parts(k: int, cols: int, num_programs: int, ok=lambda d: True) -> int:
+    """The parts of K for a phase of `cols` output columns: the divisor d of its K steps that
+    gives the fewest tiles to the busiest program (ceil(units / P) * steps), the fewest parts
+    among equals (fewer partial sums to add), among those `ok` allows."""
+    k_steps = k // TILE_K
+    tiles = cols // TILE_N
+    options = [d for d in range(1, k_steps + 1) if k_steps % d == 0 and ok(d)]
+    if not options:
+        raise ValueError(f"no part count of K={k} fits ({cols} columns, {num_programs} programs)")
+    return min(options, key=lambda d: (-(-tiles * d // num_programs) * (k_steps // d), d))
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which program runs which unit, in which order, and what each of its iterations reads
+    and writes. Unit u of phase j runs on program (u + offsets[j]) % P: gate/up's first units
+    go to the programs that o leaves idle (at `1b`, the 4 that o, down and qkv with 128
+    units each leave idle). Pure `jnp`, so that the kernel computes it on its scalars and
+    `simulate` on arrays of them."""
+
+    shape: Shape
+    num_programs: int
+    direct: bool = False
+    last: bool = False
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        return phases(self.shape, self.direct, self.num_programs, self.last)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Gate/up starts on the programs after o's units (the ones o leaves idle); the other
+        phases on program 0, so that down's part q stays on programs q mod its parts."""
+        return (0, self.phases[0].units % self.num_programs, 0, 0)[: len(self.phases)]
+
+    @property
+    def bases(self) -> list[int]:  # each phase's first tile in `arrange`'s array
+        return list(itertools.accumulate([0] + [p.units * p.steps for p in self.phases]))
+
+    @property
+    def max_count(self) -> int:
+        """Iterations of the pipeline: the most any program runs, plus one, so that every
+        program passes every barrier inside the loop."""
+        return sum(-(-p.units // self.num_programs) * p.steps for p in self.phases) + 1
+
+    def plan(self, program):
+        """([first unit, units] per phase, each phase's first iteration, then the count)."""
+        num = self.num_programs
+        info = []
+        for j, p in enumerate(self.phases):
+            first = (program - self.offsets[j] + num) % num
+            count = jnp.maximum((p.units - first + num - 1) // num, 0)
+            info.append((first, jnp.where(first < p.units, count, 0)))
+        local = [jnp.zeros_like(program)]
+        for (_, n), p in zip(info, self.phases, strict=True):
+            local.append(local[-1] + n * p.steps)
+        return info, local
+
+    def locate(self, i, info, local):
+        """For iteration i (clamped to the program's last): its phase, unit, step, the unit's
+        part and column tile, the weight tile it reads (a row block of `arrange`'s array, or
+        rows `w_k_step` of the phase's own matrix), the 128 columns of the phase's x it
+        multiplies (`k_step`), and whether it ends a product (a unit, or a gate/up unit's
+        gate half)."""
+        ps = self.phases
+        count = local[-1]
+        i = jnp.clip(i, 0, jnp.maximum(count - 1, 0))
+        phase, t = jnp.zeros_like(i), i
+        for j in range(1, len(ps)):
+            inside = i >= local[j]
+            phase = jnp.where(inside, j, phase)
+            t = jnp.where(inside, i - local[j], t)
+        steps = select([p.steps for p in ps], phase)
+        parts = select([p.parts for p in ps], phase)
+        half = select([p.steps // 2 if p.pair else p.steps for p in ps], phase)
+        first = select([f for f, _ in info], phase)
+        unit = first + (t // steps) * self.num_programs
+        step = t % steps
+        part, tile = unit % parts, unit // parts
+        # x holds all of K, except in down, where it holds the program's part of act.
+        w_k_step = part * half + step % half
+        k_step = jnp.where(phase == 2, step, w_k_step)
+        return dict(
+            phase=phase,
+            unit=unit,
+            step=step,
+            part=part,
+            tile=tile,
+            which=(step >= half).astype(jnp.int32),
+            k_step=k_step,
+            w_k_step=w_k_step,
+            tile_row=select(self.bases, phase) + unit * steps + step,
+            ends=(step == half - 1) | (step == steps - 1),
+        )
+
+
+def _row_norm(
+    parts, resid, scale, sum_out, normed_out, warp_sums, row, *, eps, write_sum, smem=True
+):
+    """Per-thread code of the compute warpgroup for one row: h = resid + rounded(sum of the
+    partial sums), rounded, as `jaxpaged.add_rms_norm`; its RMSNorm times `scale` rounded to
+    bfloat16 into row `row` of `normed_out`: the next phase's x in shared memory (`TILED`),
+    or with `smem` False a GMEM ref (the last layer's output); h into `sum_out` where
+    `write_sum`. Runs of 4 columns a thread; runs past the row's end load the last run again
+    and store nothing."""
+
+    def kernel(ctx, parts, resid, scale, sum_out, normed_out, warp_sums, row, write_sum):
+        del ctx
+        num_parts, _, hidden = ir.MemRefType(parts.type).shape
+        i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
+        bf16 = ir.BF16Type.get()
+        vec = lambda t: ir.VectorType.get([RUN], t)  # noqa: E731
+        c32 = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+        r = arith.index_cast(index, row.registers.item())
+
+        def rounded(v):
+            return arith.extf(vec(f32), arith.truncf(vec(bf16), v))
+
+        tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
+        runs, loaded = [], []
+        for k in range(-(-hidden // (RUN * THREADS))):
+            col = arith.muli(arith.addi(tid, c32(k * THREADS)), c32(RUN))
+            valid = arith.cmpi(arith.CmpIPredicate.ult, col, c32(hidden))
+            col = arith.index_cast(index, arith.minui(col, c32(hidden - RUN)))
+            terms = [
+                vector.load(vec(f32), parts, [mgpu_utils.c(s, index), r, col])
+                for s in range(num_parts)
+            ]
+            x_run = arith.extf(vec(f32), vector.load(vec(bf16), resid, [r, col]))
+            s_run = arith.extf(vec(f32), vector.load(vec(bf16), scale, [col]))
+            runs.append((valid, col))
+            loaded.append((x_run, terms, s_run))
+        totals, squares = [], None
+        zero = vector.broadcast(vec(f32), mgpu_utils.c(0.0, f32))
+        for (valid, _), (x_run, terms, _) in zip(runs, loaded, strict=True):
+            h_run = terms[0]
+            for term in terms[1:]:
+                h_run = arith.addf(h_run, term)
+            total = rounded(arith.addf(x_run, rounded(h_run)))
+            totals.append(total)
+            square = arith.select(valid, arith.mulf(total, total), zero)
+            squares = square if squares is None else arith.addf(squares, square)
+        lane = None
+        for e in range(RUN):
+            item = vector.extract(
+                squares, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e])
+            )
+            lane = item if lane is None else arith.addf(lane, item)
+        warp_total = mgpu_utils.warp_tree_reduce(lane, arith.addf, 32)
+        warp = arith.index_cast(index, arith.divui(tid, c32(32)))
+        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, c32(32)), c32(0))):
+            memref.store(warp_total, warp_sums, [warp])
+        mgpu_utils.warpgroup_barrier()
+        sum_sq = memref.load(warp_sums, [mgpu_utils.c(0, index)])
+        for w in range(1, THREADS // 32):
+            sum_sq = arith.addf(sum_sq, memref.load(warp_sums, [mgpu_utils.c(w, index)]))
+        mgpu_utils.warpgroup_barrier()  # warp_sums is read before the next row writes it
+        mean = arith.divf(sum_sq, mgpu_utils.c(float(hidden), f32))
+        inv = vector.broadcast(vec(f32), mlir_math.rsqrt(arith.addf(mean, mgpu_utils.c(eps, f32))))
+        store_sum = arith.cmpi(arith.CmpIPredicate.ne, write_sum.registers.item(), c32(0))
+        for (valid, col), (_, _, s_run), total in zip(runs, loaded, totals, strict=True):
+            normed = arith.truncf(vec(bf16), arith.mulf(total, arith.mulf(inv, s_run)))
+            with mgpu_utils.when(valid):
+                if smem:
+                    vector.store(normed, normed_out, tiled_indices(r, col))
+                else:
+                    vector.store(normed, normed_out, [r, col])
+            with mgpu_utils.when(arith.andi(valid, store_sum)):
+                vector.store(arith.truncf(vec(bf16), total), sum_out, [r, col])
+
+    refs = (plgpu.RefType(),) * 4
+    out_type = plgpu.RefType(TILED) if smem else plgpu.RefType()
+    splat = plgpu.Layout.WG_SPLAT(shape=())
+    plgpu.inline_mgpu(arg_types=(*refs, out_type, plgpu.RefType(), splat, splat))(kernel)(
+        parts, resid, scale, sum_out, normed_out, warp_sums, row, write_sum
+    )
+
+
+def _row_swiglu(gate_up, x_smem, row, part, *, width, pairs):
+    """Per-thread code for one row: SwiGLU of columns [part * width, (part + 1) * width) of the
+    intermediate dimension, gate and up each the sum of their partial sums, rounded to
+    bfloat16 into `x_smem` columns [0, width). `gate_up`: f32[S, R, 2, I] (gate, then up), or
+    with `pairs` the model's fused columns f32[S, R, 2 I] (gate j at 2 j, up j at 2 j + 1),
+    of which a thread loads 8 adjacent ones for its 4."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(
+            plgpu.RefType(),
+            plgpu.RefType(TILED),
+            plgpu.Layout.WG_SPLAT(shape=()),
+            plgpu.Layout.WG_SPLAT(shape=()),
+        )
+    )
+    def rows(ctx, gate_up, x_smem, row, part):
+        del ctx
+        num_parts = ir.MemRefType(gate_up.type).shape[0]
+        i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
+        bf16 = ir.BF16Type.get()
+        vec, wide = ir.VectorType.get([RUN], f32), ir.VectorType.get([2 * RUN], f32)
+        c32 = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+        r = arith.index_cast(index, row.registers.item())
+        base = arith.muli(part.registers.item(), c32(width))
+        tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
+
+        def summed(load):
+            total = load(0)
+            for s in range(1, num_parts):
+                total = arith.addf(total, load(s))
+            return total
+
+        runs = []
+        for k in range(-(-width // (RUN * THREADS))):
+            local = arith.muli(arith.addi(tid, c32(k * THREADS)), c32(RUN))
+            valid = arith.cmpi(arith.CmpIPredicate.ult, local, c32(width))
+            local = arith.minui(local, c32(width - RUN))
+            col = arith.addi(base, local)
+            if pairs:
+                col = arith.index_cast(index, arith.muli(col, c32(2)))
+                total = summed(
+                    lambda s, col=col: vector.load(wide, gate_up, [mgpu_utils.c(s, index), r, col])
+                )
+                gate = vector.shuffle(total, total, [0, 2, 4, 6])
+                up = vector.shuffle(total, total, [1, 3, 5, 7])
+            else:
+                col = arith.index_cast(index, col)
+                gate, up = (
+                    summed(
+                        lambda s, col=col, which=which: vector.load(
+                            vec,
+                            gate_up,
+                            [mgpu_utils.c(s, index), r, mgpu_utils.c(which, index), col],
+                        )
+                    )
+                    for which in range(2)
+                )
+            runs.append((valid, local, gate, up))
+        one = vector.broadcast(vec, mgpu_utils.c(1.0, f32))
+        for valid, local, gate, up in runs:
+            sig = arith.divf(one, arith.addf(one, mlir_math.exp(arith.negf(gate))))
+            act = arith.truncf(
+                ir.VectorType.get([RUN], bf16), arith.mulf(arith.mulf(gate, sig), up)
+            )
+            with mgpu_utils.when(valid):
+                vector.store(act, x_smem, tiled_indices(r, arith.index_cast(index, local)))
+
+    rows(gate_up, x_smem, row, part)
+
+
+def _row_merge(outs, lses, x_smem, row, part, *, heads_per_part):
+    """Per-thread code for one row: the split-KV merge of the `heads_per_part` heads of o's K
+    part `part` (`pallas_kernels.mosaic.merge.merge_values`), from the decode kernel's
+    unmerged states (`outs` f32[R, splits, Hq, D], or bfloat16 for one split; `lses`
+    f32[R, splits, Hq]), rounded to bfloat16 into `x_smem` columns [part * heads_per_part *
+    D, ...). A thread takes 4 elements of one head; threads past the part's heads take
+    none."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(
+            plgpu.RefType(),
+            plgpu.RefType(),
+            plgpu.RefType(TILED),
+            plgpu.Layout.WG_SPLAT(shape=()),
+            plgpu.Layout.WG_SPLAT(shape=()),
+        )
+    )
+    def rows(ctx, outs, lses, x_smem, row, part):
+        del ctx
+        _, num_splits, _, head_dim = ir.MemRefType(outs.type).shape
+        i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
+        c32 = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+        r = arith.index_cast(index, row.registers.item())
+        tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
+        threads_per_head = head_dim // RUN
+        active = heads_per_part * threads_per_head
+        takes = arith.cmpi(arith.CmpIPredicate.ult, tid, c32(active))
+        tid = arith.minui(tid, c32(active - 1))
+        local_head = arith.divui(tid, c32(threads_per_head))
+        head = arith.addi(arith.muli(part.registers.item(), c32(heads_per_part)), local_head)
+        col = arith.muli(arith.remui(tid, c32(threads_per_head)), c32(RUN))
+        head_i, col_i = arith.index_cast(index, head), arith.index_cast(index, col)
+        splits = [mgpu_utils.c(s, index) for s in range(num_splits)]
+        split_lses = [memref.load(lses, [r, s, head_i]) for s in splits]
+        out_type = ir.MemRefType(outs.type).element_type  # float32; q's dtype for one split
+        values = [
+            vector.load(ir.VectorType.get([RUN], out_type), outs, [r, s, head_i, col_i])
+            for s in splits
+        ]
+        if out_type != f32:
+            values = [arith.extf(ir.VectorType.get([RUN], f32), v) for v in values]
+        merged, _ = merge_values(split_lses, values)
+        merged = arith.truncf(ir.VectorType.get([RUN], ir.BF16Type.get()), merged)
+        x_col = arith.addi(arith.muli(head, c32(head_dim)), col)
+        with mgpu_utils.when(takes):
+            vector.store(merged, x_smem, tiled_indices(r, arith.index_cast(index, x_col)))
+
+    rows(outs, lses, x_smem, row, part)
+
+
+def _store_transposed(acc, y_smem):
+    """y_smem [R, 64] = acc.T for a float32 `wgmma` accumulator [64, R]: per-thread scalar
+    stores (4 a thread at R = 8), since Pallas' transposed store of it fails Mosaic GPU's
+    layout inference (the bfloat16 one, which `layer_stream` uses, does not)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+    def store(ctx, acc, y_smem):
+        del ctx
+        acc.foreach(lambda value, idx: memref.store(value, y_smem, [idx[1], idx[0]]))
+
+    store(acc, y_smem)
+
+
+def layer(
+    attn,
+    x,
+    w,
+    scale_mlp,
+    scale_next,
+    counters,
+    *,
+    parity,
+    eps,
+    stages=4,
+    prologues=True,
+    barriers=True,
+    profile_dir=None,
+    shape=Shape(),
+):
+    """One layer after attention, for R <= 8 rows (`ROWS`).
+
+    Args:
+      attn: the attention output [8, Hq*D] bfloat16 (rows past R zero), or the decode
+        kernel's unmerged states, (outputs f32[S, splits, Hq, D] or, for one split, bfloat16
+        [S, 1, Hq, D]; LSEs f32[S, splits, Hq]) with S >= R, which o's programs merge
+        themselves (`pallas_kernels.mosaic.paged_decode`'s `merge=False`).
+      x: [R, hidden] bfloat16, the residual stream.
+      w: the model's own matrices ("direct": wo [Hq*D, hidden], the fused gate/up [hidden,
+        2 I] in `models.decoder.fuse_gate_up`'s columns, wd [I, hidden] and the next layer's
+        wqkv [hidden, qkv]), read where they lie by a copy warpgroup beside the compute
+        warpgroup; the last layer passes (wo, gate/up, wd). Or one array from
+        `probes.layer_kernel.arrange`, streamed by `emit_pipeline` in one warpgroup.
+      scale_mlp, scale_next: the post-attention norm's scale [hidden], and the next layer's
+        input norm's (the last layer: the final norm's).
+      counters: a `jax.new_ref` of [3, 3] int32 zeros, shared by consecutive calls that take
+        `parity` 0 and 1 in turn (`grid_barrier`); row 2 counts barriers given up.
+      eps: the norms' epsilon.
+
+    Returns:
+      h2 [R, hidden] (the residual after the MLP) and the next layer's qkv as float32 partial
+      sums [parts, R, qkv]; the last layer h2 and its final norm [R, hidden].
+
+    Diagnostics: without `prologues` the programs skip the merge, the norms and SwiGLU, and
+    without `barriers` the grid barriers too (wrong numbers both, what they cost);
+    `profile_dir` traces each program's "kernel", "barrier{b}" and "prologue{j}" regions
+    (Mosaic GPU's in-kernel profiler, `probes.layer_stream.barrier_trace` reads them)."""
+    direct = isinstance(w, tuple)
+    last = direct and len(w) == 3
+    states = attn if isinstance(attn, tuple) else ()
+    rows = x.shape[0]  # R
+    assert 1 <= rows <= ROWS and x.shape == (rows, shape.hidden)
+    if states:  # o's programs merge them into x_smem's first R rows
+        assert states[0].shape[2:] == (shape.heads_dim // shape.head_dim, shape.head_dim)
+        assert states[0].shape[0] >= rows and states[1].shape == states[0].shape[:3]
+        attn = jnp.zeros((), x.dtype)  # unused
+    else:
+        assert attn.shape == (ROWS, shape.heads_dim)
+    num_programs = device_num_sms()
+    sched = Schedule(shape, num_programs, direct, last)
+    ps = sched.phases
+    # x's shared memory holds one part of the intermediate dimension in the down phase: a
+    # program's down units share it (`choose_parts`; at `1b` one unit a program).
+    if direct:
+        assert num_programs % ps[2].parts == 0
+    else:
+        assert ps[2].units <= num_programs and min(p.units for p in ps) >= num_programs - 4
+    assert shape.heads_dim // ps[0].parts <= THREADS * RUN  # o's merge: one warpgroup a part
+    f32 = jnp.float32
+    width = shape.inter // ps[2].parts
+    x_cols = max(shape.heads_dim, shape.hidden, width)
+    weights = w if direct else (w,)
+
+    def body(attn_ref, x_ref, s_mlp_ref, s_next_ref, counters_ref, *refs):
+        w_refs, refs = refs[: len(weights)], refs[len(weights) :]
+        state_refs, refs = refs[: len(states)], refs[len(states) :]
+        h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, *scratch = refs  # last: qkv_ref the norm
+        x_smem, y_smem, warp_sums, a_barrier, pipe = scratch
+        program = lax.axis_index("program")
+        info, local = sched.plan(program)
+        count = local[-1]
+
+        def prologue(j):
+            """What a program does after barrier j - 1, before phase j's first product."""
+            if not prologues:
+                return
+            if j == 1 or j == 3:
+                scale = s_mlp_ref if j == 1 else s_next_ref
+                parts, resid = (o_ref, x_ref) if j == 1 else (d_ref, h_ref)
+                out = h_ref if j == 1 else h2_ref
+                for r in range(rows):
+                    _row_norm(
+                        parts,
+                        resid,
+                        scale,
+                        out,
+                        x_smem,
+                        warp_sums,
+                        jnp.int32(r),
+                        eps=eps,
+                        write_sum=(program == 0).astype(jnp.int32),
+                    )
+            else:
+                first, n = info[2]
+
+                @pl.when(n > 0)
+                def _():
+                    for r in range(rows):
+                        _row_swiglu(
+                            gu_ref,
+                            x_smem,
+                            jnp.int32(r),
+                            lax.rem(first, ps[2].parts),
+                            width=width,
+                            pairs=direct,
+                        )
+
+            plgpu.commit_smem()
+
+        def step(i, w_tile, acc, wait_tile=None):
+            """Iteration i: its barriers and prologues first, then its product with the
+            weight tile `w_tile` [128, 64] (after `wait_tile()`), and its store if it ends
+            a product. Returns the accumulator, zeroed where a product ended."""
+            live = i < count
+
+            @pl.when(i == 0)
+            def _():
+                if not states:
+                    plgpu.barrier_wait(a_barrier)
+                first, n = info[0]
+                if states and prologues:
+
+                    @pl.when(n > 0)
+                    @jax.named_scope("prologue0")
+                    def _():
+                        part = lax.rem(first, ps[0].parts)
+                        for r in range(rows):
+                            _row_merge(
+                                *state_refs,
+                                x_smem,
+                                jnp.int32(r),
+                                part,
+                                heads_per_part=shape.heads_dim // shape.head_dim // ps[0].parts,
+                            )
+                        plgpu.commit_smem()
+
+            for b in range(len(ps) - 1):
+
+                @pl.when(i == local[b + 1])
+                def _(b=b):
+                    if barriers:
+                        with jax.named_scope(f"barrier{b}"):
+                            plgpu.wait_smem_to_gmem(0)
+                            proxy_fence()
+                            grid_barrier(counters_ref, parity, b, num_programs)
+                            proxy_fence()
+                    with jax.named_scope(f"prologue{b + 1}"):
+                        prologue(b + 1)
+
+            at = sched.locate(i, info, local)
+            phase, part, tile = at["phase"], at["part"], at["tile"]
+            col = pl.multiple_of(at["k_step"] * TILE_K, TILE_K)
+            row = plgpu.broadcasted_iota(jnp.int32, (TILE_N, ROWS), 0, layout=plgpu.Layout.WGMMA)
+            if wait_tile is not None:
+                pl.when(live)(wait_tile)
+
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, w_tile.T, x_smem.at[:, pl.ds(col, TILE_K)].T)
+
+            acc = jnp.where(
+                row < jnp.where(live, TILE_N, 0), pl.run_state(mma)(plgpu.ACC.init(acc)), acc
+            )
+            ends = live & at["ends"]
+
+            @pl.when(ends)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                _store_transposed(acc, y_smem)
+                y_rows = y_smem if rows == ROWS else y_smem.at[pl.ds(0, rows)]
+                plgpu.commit_smem()
+                cols = pl.ds(tile * TILE_N, TILE_N)
+                dests = (o_ref, gu_ref if direct else None, d_ref, qkv_ref)[: len(ps)]
+                for j, dest in enumerate(dests):
+                    if dest is not None:
+                        pl.when(phase == j)(
+                            lambda dest=dest: plgpu.copy_smem_to_gmem(
+                                y_rows, dest.at[part, :, cols]
+                            )
+                        )
+                if not direct:
+                    pl.when(phase == 1)(
+                        lambda: plgpu.copy_smem_to_gmem(
+                            y_rows, gu_ref.at[part, :, at["which"], cols]
+                        )
+                    )
+
+            return jnp.where(row < jnp.where(ends, 0, TILE_N), acc, jnp.zeros_like(acc))
+
+        def start():
+            @pl.when(program == 0)
+            def _():  # the other slot, for the next call (a last layer's uses all of them)
+                for b in range(counters.shape[1]):
+                    counters_ref[1 - parity, b] = jnp.int32(0)
+
+            if not states:
+                # The attention output comes in beside the first weight tiles; o's first
+                # product waits for it.
+                x_attn = x_smem.at[:, pl.ds(0, shape.heads_dim)]
+                plgpu.copy_gmem_to_smem(attn_ref, x_attn, a_barrier)
+            return plgpu.layout_cast(jnp.zeros((TILE_N, ROWS), f32), plgpu.Layout.WGMMA)
+
+        if not direct:
+            zero = start()
+            with jax.named_scope("kernel"):
+                plgpu.emit_pipeline(
+                    lambda indices, w_tile, acc: step(indices[0], w_tile, acc),
+                    grid=(sched.max_count,),
+                    in_specs=[
+                        plgpu.BlockSpec(
+                            (TILE_K, TILE_N),
+                            lambda i: (sched.locate(i, info, local)["tile_row"], 0),
+                            transforms=TILED,
+                        )
+                    ],
+                    max_concurrent_steps=stages,
+                    init_carry=zero,
+                )(w_refs[0])
+            plgpu.wait_smem_to_gmem(0)
+            return
+
+        w_smem, (ready, free) = pipe
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 1)
+        def _copies():
+            def copy(i, carry):
+                slot = lax.rem(i, stages)
+                pl.when(i >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+                at = sched.locate(i, info, local)
+                k_rows = pl.ds(pl.multiple_of(at["w_k_step"] * TILE_K, TILE_K), TILE_K)
+                cols = pl.ds(pl.multiple_of(at["tile"] * TILE_N, TILE_N), TILE_N)
+                for j, w_ref in enumerate(w_refs):
+                    pl.when(at["phase"] == j)(
+                        lambda w_ref=w_ref: plgpu.copy_gmem_to_smem(
+                            w_ref.at[k_rows, cols], w_smem.at[slot], ready.at[slot]
+                        )
+                    )
+                return carry
+
+            lax.fori_loop(0, count, copy, jnp.int32(0))
+
+        @pl.when(wg == 0)
+        def _compute():
+            zero = start()
+
+            def compute(i, acc):
+                slot = lax.rem(i, stages)
+                acc = step(
+                    i,
+                    w_smem.at[slot],
+                    acc,
+                    wait_tile=lambda: plgpu.barrier_wait(ready.at[slot]),
+                )
+                pl.when(i < count)(lambda: plgpu.barrier_arrive(free.at[slot]))
+                return acc
+
+            with jax.named_scope("kernel"):
+                lax.fori_loop(0, sched.max_count, compute, zero)
+            if last:  # every down product stored; program 0 takes h2 and the final norm
+                plgpu.wait_smem_to_gmem(0)
+                proxy_fence()
+                grid_barrier(counters_ref, parity, len(ps) - 1, num_programs)
+
+                @pl.when(program == 0)
+                def _():
+                    for r in range(rows):
+                        _row_norm(
+                            d_ref,
+                            h_ref,
+                            s_next_ref,
+                            h2_ref,
+                            qkv_ref,
+                            warp_sums,
+                            jnp.int32(r),
+                            eps=eps,
+                            write_sum=jnp.int32(1),
+                            smem=False,
+                        )
+
+            plgpu.wait_smem_to_gmem(0)
+
+    gu_shape = (rows, 2 * shape.inter) if direct else (rows, 2, shape.inter)
+    out_types = (
+        jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
+        jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype)
+        if last
+        else jax.ShapeDtypeStruct((ps[3].parts, rows, shape.qkv), f32),
+        jax.ShapeDtypeStruct((ps[0].parts, rows, shape.hidden), f32),
+        jax.ShapeDtypeStruct((ps[1].parts, *gu_shape), f32),
+        jax.ShapeDtypeStruct((ps[2].parts, rows, shape.hidden), f32),
+        jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
+    )
+    pipe = (
+        (
+            plgpu.SMEM((stages, TILE_K, TILE_N), x.dtype, transforms=TILED),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+        )
+        if direct
+        else ()
+    )
+    h2, qkv, *_ = launch(
+        body,
+        out_types,
+        (attn, x, scale_mlp, scale_next, counters, *weights, *states),
+        grid=(num_programs,),
+        grid_names=("program",),
+        scratch_types=(
+            plgpu.SMEM((ROWS, x_cols), x.dtype, transforms=TILED),
+            plgpu.SMEM((ROWS, TILE_N), f32),
+            plgpu.SMEM((THREADS // 32,), f32),
+            plgpu.Barrier(),
+            pipe,
+        ),
+        kernel_name="layer_kernel",
+        compiler_params=plgpu.CompilerParams(
+            **(dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {})
+        ),
+        **(dict(num_threads=2, thread_name="wg") if direct else {}),
+    )
+    return h2, qkv
+
+
+def model_shape(wo, w_gate_up, wd, wqkv, head_dim: int) -> Shape:
+    """The `Shape` of a layer's matrices as `post_attention` takes them (wqkv None: the last
+    layer)."""
+    return Shape(
+        hidden=wo.shape[1],
+        heads_dim=wo.shape[0],
+        inter=wd.shape[0],
+        qkv=0 if wqkv is None else wqkv.shape[1],
+        head_dim=head_dim,
+    )
+
+
+def supported(shape: Shape, rows: int, dtype) -> str | None:
+    """Why `post_attention` cannot take a step of `rows` rows of this shape and dtype on this
+    GPU, or None where it can: bfloat16 (the per-thread code's), at most `ROWS` rows, every
+    dimension whole tiles, one warpgroup's merge per part of o's K and a schedule whose
+    programs' o and down units share their part of K (`phases`)."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return f"bfloat16 only; got {jnp.dtype(dtype).name}"
+    if not 1 <= rows <= ROWS:
+        return f"at most {ROWS} rows; got {rows}"
+    dims = dict(hidden=shape.hidden, heads_dim=shape.heads_dim, inter=shape.inter)
+    dims["qkv"] = shape.qkv or TILE_K
+    if any(v % TILE_K for v in dims.values()) or shape.head_dim % (2 * RUN):
+        return f"dimensions in whole {TILE_K}-column tiles and head_dim a multiple of 8; got {dims}"
+    if shape.heads_dim % shape.head_dim or shape.head_dim // RUN > THREADS:
+        return f"heads of at most {THREADS * RUN} columns; got head_dim {shape.head_dim}"
+    num_programs = device_num_sms()
+    try:
+        ps = phases(shape, True, num_programs, last=not shape.qkv)
+    except ValueError as e:
+        return str(e)
+    if num_programs % ps[2].parts:
+        return f"down's {ps[2].parts} parts must divide the {num_programs} programs"
+    return None
+
+
+def post_attention(
+    attn, x, weights, scale_mlp, scale_next, counters, *, parity: int, eps: float, stages: int = 4
+):
+    """A decoder layer after its attention, and the next layer's norm and qkv, in one kernel
+    (`layer` with the model's own matrices).
+
+    Args:
+      attn: the decode kernel's unmerged states (out, lse) for S >= R sequence slots
+        (`paged_decode.rope_append_decode_attention(..., merge=False)`).
+      x: [R, hidden] bfloat16, the residual stream, R <= 8.
+      weights: (wo [Hq*D, hidden], the fused gate/up [hidden, 2 I], wd [I, hidden], the
+        next layer's fused wqkv [hidden, qkv]); the last layer's without wqkv.
+      scale_mlp, scale_next: the post-attention norm's scale [hidden], the next layer's input
+        norm's (the last layer: the final norm's).
+      counters: int32 [3, 3] zeros as a `jax.new_ref`, shared by the calls of one step, which
+        take `parity` 0 and 1 in turn.
+      eps: the norms' epsilon.
+
+    Returns:
+      `(h2 [R, hidden], qkv f32[parts, R, qkv])`: the residual after the layer and the next
+      layer's qkv as partial sums over parts of K; the last layer `(h2, its final norm
+      [R, hidden])`.
+    """
+    wqkv = weights[3] if len(weights) == 4 else None
+    shape = model_shape(*weights[:3], wqkv, attn[0].shape[-1])
+    why = supported(shape, x.shape[0], x.dtype)
+    if why is not None:
+        raise ValueError(f"post_attention does not take this layer: {why}")
+    return layer(
+        attn,
+        x,
+        tuple(weights),
+        scale_mlp,
+        scale_next,
+        counters,
+        parity=parity,
+        eps=eps,
+        stages=stages,
+        shape=shape,
+    )

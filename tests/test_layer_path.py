@@ -1,0 +1,342 @@
+"""The decode step's layer kernel path (`Decoder(layer_kernel=True)`): each layer's work after
+attention as one `post_attention` call (`pallas_kernels.mosaic.layer` on Hopper).
+
+On the CPU the path runs with `implementation="xla"`: the same structure (the first layer's
+norm and qkv, then per layer `attend_states` and `post_attention`, which hands the next layer
+its qkv and the last the final norm), every piece in XLA, against the step's own path. The
+kernel is cross-lowered here and its schedule run in NumPy (`probes.layer_kernel.simulate`);
+its arithmetic runs under the `gpu` marker.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxpaged
+from models.config import CONFIGS, EngineConfig
+from models.decoder import Decoder, fuse_gate_up, layer_counters
+from models.engine import Engine
+from models.scheduler import SamplingParams
+from pallas_kernels.common import merge_splits, poison_outputs
+from pallas_kernels.mosaic import layer as mosaic
+from tests.helpers import lower_for_hopper
+from tests.induction import induction_decoder, induction_prompt
+
+PAGE = 16
+# The two paths differ only in how float32 sums are ordered: the layer path takes o, gate/up,
+# down and qkv as one dot each where the step's own path sums split-K partial sums (8 parts
+# for o and down, 4 for qkv and gate/up). Float32 reorderings move each result by ~1e-7 of
+# its magnitude; over the tiny model's 2 layers that stays well below 1e-5 (measured: at most
+# 9.5e-7). bfloat16: the rounding points are the same, but a reordered float32 sum can round
+# to the neighbouring bfloat16 value (2^-8 = 3.9e-3 relative), and one such flip moves what
+# follows by about as much; 1e-2 allows two (measured on this CPU: 0, pages 2.7e-8).
+HIDDEN_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+# On the GPU the kernel sums its float32 partial products in an order of its own (over parts
+# of K, per program) where the step's kernels have theirs, so flips are likelier: three of them
+# in a row, amplified by a norm, over the two layers.
+GPU_HIDDEN_TOL = 3e-2
+
+
+def _model(dtype, layer_kernel: bool, **changes) -> Decoder:
+    config = dataclasses.replace(CONFIGS["tiny"].with_dtype(dtype), **changes)
+    return _random_norms(Decoder(config, rngs=nnx.Rngs(0), layer_kernel=layer_kernel))
+
+
+def _random_norms(model: Decoder) -> Decoder:
+    """Every RMSNorm's scale random (1 + 0.2 N(0, 1)), so that a norm taken with another
+    layer's or the final norm's scale shows."""
+    norms = [m for _, m in nnx.iter_modules(model) if isinstance(m, nnx.RMSNorm)]
+    keys = jax.random.split(jax.random.key(1), len(norms))
+    for key, norm in zip(keys, norms, strict=True):
+        shape, dtype = norm.scale.shape, norm.scale.dtype
+        norm.scale[...] = (1 + 0.2 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return model
+
+
+def _decode_step(config, num_slots: int, live: int, seed: int = 0):
+    """Random tokens, pages (random K/V, not NaN: every cached slot is read) and the metadata of
+    a decode step of `num_slots` sequence slots, the first `live` of them live."""
+    rng = np.random.default_rng(seed)
+    pages_per_seq, num_pages = 4, 4 * num_slots + 3
+    kv_lens = np.where(np.arange(num_slots) < live, rng.integers(1, 4 * PAGE, num_slots), 0)
+    table = rng.permutation(num_pages)[: num_slots * pages_per_seq].reshape(num_slots, -1)
+    meta = jaxpaged.StepMetadata.build(
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(table, jnp.int32),
+        jnp.arange(num_slots + 1, dtype=jnp.int32).clip(max=live),
+        live,
+        num_tokens=num_slots,
+        decode=True,
+        pool_shape=(num_pages, PAGE),
+    )
+    shape = (num_pages, PAGE, config.num_kv_heads, config.head_dim)
+    keys = iter(jax.random.split(jax.random.key(seed), 2 * config.num_layers + 1))
+    pages = [
+        tuple(jax.random.normal(next(keys), shape, jnp.float32).astype(config.dtype) for _ in "kv")
+        for _ in range(config.num_layers)
+    ]
+    tokens = jax.random.randint(next(keys), (num_slots,), 0, config.vocab_size)
+    return tokens, pages, meta
+
+
+def _step(model, tokens, pages, meta, implementation="xla"):
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def run(params, tokens, pages, meta):
+        return nnx.merge(graphdef, params)(tokens, pages, meta, implementation=implementation)
+
+    return run(params, tokens, pages, meta)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(("num_slots", "live"), [(2, 1), (5, 5), (8, 6)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_layer_path_matches_the_step(dtype, num_slots, live, qk_norm):
+    """The final hidden states of the live rows and every layer's pages, against the step's
+    own path on the same weights; padding rows stay finite."""
+    plain = _model(dtype, False, qk_norm=qk_norm)
+    fused = _model(dtype, True, qk_norm=qk_norm)
+    tokens, pages, meta = _decode_step(plain.config, num_slots, live)
+    assert fused.runs_layer_kernel(num_slots, pages, meta, "xla")
+    assert not plain.runs_layer_kernel(num_slots, pages, meta, "xla")
+    want, want_pages = _step(plain, tokens, pages, meta)
+    got, got_pages = _step(fused, tokens, pages, meta)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    scale = np.abs(want[:live]).max()
+    np.testing.assert_allclose(got[:live], want[:live], atol=HIDDEN_TOL[dtype] * scale, rtol=0)
+    for got_kv, want_kv in zip(got_pages, want_pages, strict=True):
+        for g, w in zip(got_kv, want_kv, strict=True):
+            g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+            np.testing.assert_allclose(g, w, atol=HIDDEN_TOL[dtype] * np.abs(w).max(), rtol=0)
+
+
+def test_layer_path_only_where_it_applies():
+    """Prefill steps, steps of more than 8 rows, projection biases and a GPU-less machine
+    without "xla" keep the step's own path."""
+    model = _model(jnp.float32, True)
+    tokens, pages, meta = _decode_step(model.config, 2, 2)
+    assert model.runs_layer_kernel(2, pages, meta, "xla")
+    assert not model.runs_layer_kernel(2, pages, dataclasses.replace(meta, decode=False), "xla")
+    assert not model.runs_layer_kernel(9, pages, meta, "xla")
+    assert not _model(jnp.float32, True, qkv_bias=True).runs_layer_kernel(2, pages, meta, "xla")
+    if jax.default_backend() != "gpu":
+        assert not model.runs_layer_kernel(2, pages, meta, None)
+    qkv = jnp.zeros((2, 2, 4, 64), jnp.float32)
+    prefill = dataclasses.replace(meta, decode=False)
+    with pytest.raises(ValueError, match="attend_states takes a decode step's metadata"):
+        model.layers[0].attn.attend_states(qkv, *pages[0], prefill, implementation="xla")
+
+
+def test_engine_with_the_layer_path_gives_the_steps_tokens():
+    """Greedy and sampled tokens through the engine's decode blocks, the layer path against
+    the step's own, float32 (the chosen tokens' log-probabilities within 1e-4)."""
+    config = EngineConfig(page_size=PAGE, num_pages=32, max_seqs=2, max_model_len=128)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (5, 23, 40)]
+    params = [SamplingParams(12), SamplingParams(9, 0.8, seed=7), SamplingParams(15)]
+    runs = []
+    for layer_kernel in (False, True):
+        engine = Engine(_model(jnp.float32, layer_kernel), config, implementation="xla")
+        runs.append(engine.generate(prompts, params))
+    for want, got in zip(*runs, strict=True):
+        assert got.output == want.output
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
+
+
+def _layer_inputs(shape: mosaic.Shape, rows: int, splits: int, last: bool, seed: int = 0):
+    """Random bfloat16 weights (the model's forms), scales, residual rows and the decode
+    kernel's unmerged states (float32; bfloat16 for one split) for `post_attention`."""
+    keys = iter(jax.random.split(jax.random.key(seed), 12))
+
+    def normal(shape_, scale=1.0, dtype=jnp.bfloat16):
+        return (jax.random.normal(next(keys), shape_, jnp.float32) * scale).astype(dtype)
+
+    heads = shape.heads_dim // shape.head_dim
+    gate, up = (normal((shape.hidden, shape.inter), shape.hidden**-0.5) for _ in "gu")
+    weights = (
+        normal((shape.heads_dim, shape.hidden), shape.heads_dim**-0.5),
+        fuse_gate_up(gate, up),
+        normal((shape.inter, shape.hidden), shape.inter**-0.5),
+    )
+    if not last:
+        weights += (normal((shape.hidden, shape.qkv), shape.hidden**-0.5),)
+    scales = (1 + normal((shape.hidden,), 0.1), 1 + normal((shape.hidden,), 0.1))
+    out_dtype = jnp.float32 if splits > 1 else jnp.bfloat16
+    states = (
+        normal((rows, splits, heads, shape.head_dim), dtype=out_dtype),
+        normal((rows, splits, heads), 3.0, jnp.float32),
+    )
+    return states, normal((rows, shape.hidden)), weights, scales
+
+
+TINY = mosaic.model_shape(
+    jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+    jax.ShapeDtypeStruct((128, 512), jnp.bfloat16),
+    jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+    jax.ShapeDtypeStruct((128, 512), jnp.bfloat16),
+    64,
+)
+ONE_B = mosaic.Shape()
+
+
+@pytest.mark.parametrize(
+    ("shape", "rows", "splits", "last"),
+    [(ONE_B, 1, 10, False), (ONE_B, 2, 1, True), (TINY, 8, 3, False), (TINY, 5, 1, True)],
+)
+def test_post_attention_kernel_lowers_to_one_kernel(shape, rows, splits, last):
+    """Cross-lowered for sm_90 here (its arithmetic runs on the GPU only): one Mosaic GPU
+    custom call."""
+    states, x, weights, scales = _layer_inputs(shape, rows, splits, last)
+
+    def run(states, x, weights, scales):
+        return mosaic.post_attention(
+            states, x, weights, *scales, layer_counters(), parity=1, eps=1e-6
+        )
+
+    text = lower_for_hopper(run, states, x, weights, scales)
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "@mosaic_gpu" in calls[0], calls
+
+
+def test_post_attention_kernel_refuses_what_it_does_not_take():
+    states, x, weights, scales = _layer_inputs(TINY, 2, 1, False)
+    counters = jnp.zeros((3, 3), jnp.int32)
+    with pytest.raises(ValueError, match="bfloat16 only; got float32"):
+        mosaic.post_attention(
+            states, x.astype(jnp.float32), weights, *scales, counters, parity=0, eps=1e-6
+        )
+    nine = jnp.concatenate([x] * 5)[:9]
+    with pytest.raises(ValueError, match="at most 8 rows; got 9"):
+        mosaic.post_attention(states, nine, weights, *scales, counters, parity=0, eps=1e-6)
+    odd = mosaic.Shape(hidden=192, heads_dim=256, inter=256, qkv=512, head_dim=64)
+    assert "whole 128-column tiles" in mosaic.supported(odd, 1, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("programs", [132, 8, 6])
+@pytest.mark.parametrize("last", [False, True])
+def test_post_attention_schedule_writes_every_output_once(programs, last):
+    """The kernel's schedule at the tiny shape, run in NumPy (`probes.layer_kernel.simulate`:
+    every output element written exactly once, a program's o and down units within one part
+    of K), against the XLA reference."""
+    from probes.layer_kernel import reference, simulate  # noqa: PLC0415
+
+    states, x, weights, scales = _layer_inputs(TINY, 3, 1, last)
+    attn = jnp.zeros((mosaic.ROWS, TINY.heads_dim), jnp.bfloat16)
+    attn = attn.at[:3].set(states[0][:, 0].reshape(3, -1))
+    h2, second = simulate(
+        attn,
+        x,
+        tuple(weights),
+        *scales,
+        num_programs=programs,
+        real_rows=3,
+        shape=TINY,
+    )
+    gate, up = weights[1][:, 0::2], weights[1][:, 1::2]
+    wqkv = None if last else weights[3]
+    want_h2, want = reference(attn[:3], x, weights[0], gate, up, weights[2], wqkv, *scales)
+    second = second if last else np.asarray(second).sum(0)
+    for got, ref in ((h2, want_h2), (second, want)):
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        np.testing.assert_allclose(got, ref, atol=1e-2 * np.abs(ref).max(), rtol=0)
+
+
+# bfloat16 kernel against the XLA reference: the same rounding points, float32 sums in another
+# order (partial sums over parts of K); a flipped bfloat16 rounding in h or act moves the
+# outputs by ~2^-8 of their magnitude: 1e-2 relative to the largest.
+KERNEL_TOL = 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("shape", "rows", "splits", "last"),
+    [
+        (ONE_B, 1, 10, False),
+        (ONE_B, 2, 1, False),
+        (ONE_B, 2, 10, True),
+        (ONE_B, 8, 4, False),
+        (TINY, 3, 2, False),
+        (TINY, 1, 1, True),
+    ],
+)
+def test_post_attention_kernel_matches_the_reference(shape, rows, splits, last):
+    """The kernel against `models.decoder.post_attention`'s XLA arithmetic, outputs poisoned
+    first; twice, the same bits; no barrier gave up."""
+    states, x, weights, scales = _layer_inputs(shape, rows, splits, last)
+
+    @jax.jit
+    def run(states, x, weights, scales):
+        counters = layer_counters()
+        out = mosaic.post_attention(states, x, weights, *scales, counters, parity=0, eps=1e-6)
+        return out, counters[2]
+
+    with poison_outputs():
+        (h2, second), give_ups = run(states, x, weights, scales)
+        (h2_again, second_again), _ = run(states, x, weights, scales)
+    assert (np.asarray(give_ups) == 0).all(), give_ups
+    np.testing.assert_array_equal(np.asarray(h2), np.asarray(h2_again))
+    np.testing.assert_array_equal(np.asarray(second), np.asarray(second_again))
+
+    def dot(a, w):
+        return jnp.dot(a, w, preferred_element_type=jnp.float32)
+
+    attn, _ = merge_splits(states[0], states[1], out_dtype=jnp.bfloat16)
+    h = x + dot(attn.reshape(rows, -1), weights[0]).astype(x.dtype)
+    normed = jaxpaged.layers.rms_norm(h, scales[0], 1e-6)
+    gu = dot(normed, weights[1])
+    act = (jax.nn.silu(gu[:, 0::2]) * gu[:, 1::2]).astype(x.dtype)
+    want_h2 = h + dot(act, weights[2]).astype(x.dtype)
+    normed = jaxpaged.layers.rms_norm(want_h2, scales[1], 1e-6)
+    want = normed if last else dot(normed, weights[3])
+    got = np.asarray(second, np.float32) if last else np.asarray(second).sum(0)
+    for g, w in ((np.asarray(h2, np.float32), want_h2), (got, want)):
+        w = np.asarray(w, np.float32)
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, w, atol=KERNEL_TOL * np.abs(w).max(), rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_slots", [2, 8])
+def test_layer_kernel_decoder_matches_the_step_on_the_gpu(num_slots):
+    """bfloat16 `1b`-shaped layers (2 of them) through the kernel path against the step's own
+    path on the GPU."""
+    config = dataclasses.replace(CONFIGS["1b"], num_layers=2, vocab_size=512)
+    plain = _random_norms(Decoder(config, rngs=nnx.Rngs(0)))
+    fused = _random_norms(Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True))
+    tokens, pages, meta = _decode_step(config, num_slots, num_slots - 1)
+    assert fused.runs_layer_kernel(num_slots, pages, meta, None)
+    want, want_pages = _step(plain, tokens, pages, meta, None)
+    got, got_pages = _step(fused, tokens, pages, meta, None)
+    live = num_slots - 1
+    got, want = np.asarray(got, np.float32)[:live], np.asarray(want, np.float32)[:live]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=GPU_HIDDEN_TOL * np.abs(want).max(), rtol=0)
+    for got_kv, want_kv in zip(got_pages, want_pages, strict=True):
+        for g, w in zip(got_kv, want_kv, strict=True):
+            g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+            tol = GPU_HIDDEN_TOL * np.abs(w).max()
+            np.testing.assert_allclose(g, w, atol=tol, rtol=0)
+
+
+@pytest.mark.gpu
+def test_engine_with_the_layer_kernel_gives_the_induction_tokens():
+    """The induction decoder (confident bfloat16 predictions, `tests/induction.py`) through the
+    engine's decode blocks: the kernel path's greedy tokens equal the step's own path's."""
+    config = EngineConfig(page_size=PAGE, num_pages=64, max_seqs=4, max_model_len=256)
+    tiny = CONFIGS["tiny"].with_dtype(jnp.bfloat16)
+    prompts = [induction_prompt(n, 12, s, tiny.vocab_size) for s, n in enumerate((40, 61, 90))]
+    runs = []
+    for layer_kernel in (False, True):
+        model = induction_decoder(tiny)
+        model.layer_kernel = layer_kernel
+        engine = Engine(model, config)
+        runs.append(engine.generate(prompts, SamplingParams(24)))
+        assert engine.stats.decode_tokens > 0
+    for want, got in zip(*runs, strict=True):
+        assert got.output == want.output
