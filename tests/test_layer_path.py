@@ -204,6 +204,45 @@ def test_post_attention_kernel_lowers_to_one_kernel(shape, rows, splits, last):
     assert len(calls) == 1 and "@mosaic_gpu" in calls[0], calls
 
 
+@pytest.mark.parametrize(("num_slots", "pages_per_seq"), [(2, 64), (2, 2), (8, 8)])
+def test_layer_path_step_lowers_to_two_kernels_a_layer(monkeypatch, num_slots, pages_per_seq):
+    """The `1b`-shaped decode step through the layer path, cross-lowered for sm_90 as if on an
+    H200 (the default device patched): per layer the decode kernel with `rope_append` folded
+    in and the layer kernel, and no other custom call (no split merge; one split's bfloat16
+    states at 2 pages a sequence)."""
+    from jaxpaged import dispatch  # noqa: PLC0415
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "default_device", lambda: dispatch.Device("gpu", "9.0", 132))
+    layers = 3
+    config = dataclasses.replace(CONFIGS["1b"], num_layers=layers, vocab_size=512)
+    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True)
+    num_pages = num_slots * pages_per_seq + 1
+    meta = jaxpaged.StepMetadata.build(
+        jnp.full((num_slots,), 5, jnp.int32),
+        jnp.zeros((num_slots, pages_per_seq), jnp.int32),
+        jnp.arange(num_slots + 1, dtype=jnp.int32),
+        num_slots,
+        num_tokens=num_slots,
+        decode=True,
+        pool_shape=(num_pages, PAGE),
+    )
+    page = jax.ShapeDtypeStruct((num_pages, PAGE, 8, 128), jnp.bfloat16)
+    pages = [(page, page)] * layers
+    assert model.runs_layer_kernel(num_slots, pages, meta, None)
+    graphdef, params = nnx.split(model)
+
+    def step(params, tokens, pages, meta):
+        return nnx.merge(graphdef, params)(tokens, pages, meta)
+
+    tokens = jax.ShapeDtypeStruct((num_slots,), jnp.int32)
+    text = lower_for_hopper(step, params, tokens, pages, meta)
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    layer_calls = [line for line in calls if "layer_kernel" in line]
+    assert len(layer_calls) == layers and all("@mosaic_gpu" in line for line in calls), calls
+    assert len(calls) == 2 * layers, calls
+
+
 def test_post_attention_kernel_refuses_what_it_does_not_take():
     states, x, weights, scales = _layer_inputs(TINY, 2, 1, False)
     counters = jnp.zeros((3, 3), jnp.int32)

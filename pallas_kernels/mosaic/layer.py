@@ -568,7 +568,6 @@ def layer(
     if states:  # o's programs merge them into x_smem's first R rows
         assert states[0].shape[2:] == (shape.heads_dim // shape.head_dim, shape.head_dim)
         assert states[0].shape[0] >= rows and states[1].shape == states[0].shape[:3]
-        attn = jnp.zeros((), x.dtype)  # unused
     else:
         assert attn.shape == (ROWS, shape.heads_dim)
     num_programs = device_num_sms()
@@ -586,7 +585,9 @@ def layer(
     x_cols = max(shape.heads_dim, shape.hidden, width)
     weights = w if direct else (w,)
 
-    def body(attn_ref, x_ref, s_mlp_ref, s_next_ref, counters_ref, *refs):
+    def body(*refs):
+        attn_ref, refs = (None, refs) if states else (refs[0], refs[1:])
+        x_ref, s_mlp_ref, s_next_ref, counters_ref, *refs = refs
         w_refs, refs = refs[: len(weights)], refs[len(weights) :]
         state_refs, refs = refs[: len(states)], refs[len(states) :]
         h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, *scratch = refs  # last: qkv_ref the norm
@@ -826,7 +827,7 @@ def layer(
     h2, qkv, *_ = launch(
         body,
         out_types,
-        (attn, x, scale_mlp, scale_next, counters, *weights, *states),
+        (*(() if states else (attn,)), x, scale_mlp, scale_next, counters, *weights, *states),
         grid=(num_programs,),
         grid_names=("program",),
         scratch_types=(
