@@ -146,6 +146,7 @@ def post_attention(
     counters,
     *,
     parity: int,
+    kv_lens: jax.Array | None = None,
     implementation: str | None,
 ) -> tuple[jax.Array, jax.Array]:
     """A decode step's layer after its attention, through the next layer's norm and qkv
@@ -161,6 +162,8 @@ def post_attention(
         norm); next_qkv: the next layer's qkv projection (the last layer: None).
       counters: the kernel's barrier counters (`layer_counters`), shared by a step's layers,
         which take `parity` 0 and 1 in turn.
+      kv_lens: the step's; the kernel skips the per-row work of inactive slots (their rows of
+        the outputs undefined, of the final norm zero).
 
     Returns:
       `(x + attention + mlp [R, hidden], qkv)`: qkv float32 partial sums [parts, R, qkv cols]
@@ -178,7 +181,9 @@ def post_attention(
     if implementation != "xla":
         from pallas_kernels.mosaic import layer as mosaic  # noqa: PLC0415
 
-        return mosaic.post_attention(states, x, weights, *scales, counters, parity=parity, eps=eps)
+        return mosaic.post_attention(
+            states, x, weights, *scales, counters, parity=parity, eps=eps, kv_lens=kv_lens
+        )
     precision = layer.attn.o_proj.precision
 
     def dot(a, w):
@@ -337,6 +342,7 @@ class Decoder(nnx.Module):
                 None if last else nxt.attn.qkv_proj,
                 counters,
                 parity=i % 2,
+                kv_lens=meta.kv_lens,
                 implementation=implementation,
             )
             if not last:

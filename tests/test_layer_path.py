@@ -294,33 +294,47 @@ KERNEL_TOL = 1e-2
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("shape", "rows", "splits", "last"),
+    ("shape", "rows", "splits", "last", "dead"),
     [
-        (ONE_B, 1, 10, False),
-        (ONE_B, 2, 1, False),
-        (ONE_B, 2, 10, True),
-        (ONE_B, 8, 4, False),
-        (TINY, 3, 2, False),
-        (TINY, 1, 1, True),
+        (ONE_B, 1, 10, False, ()),
+        (ONE_B, 2, 1, False, ()),
+        (ONE_B, 2, 10, False, (1,)),  # B=1 in the engine: the second slot is padding
+        (ONE_B, 2, 10, True, (1,)),
+        (ONE_B, 8, 4, False, ()),
+        (ONE_B, 8, 4, True, (0, 5)),
+        (TINY, 3, 2, False, (0,)),
+        (TINY, 1, 1, True, ()),
     ],
 )
-def test_post_attention_kernel_matches_the_reference(shape, rows, splits, last):
+def test_post_attention_kernel_matches_the_reference(shape, rows, splits, last, dead):
     """The kernel against `models.decoder.post_attention`'s XLA arithmetic, outputs poisoned
-    first; twice, the same bits; no barrier gave up."""
+    first; twice, the same bits; no barrier gave up. Rows of inactive slots (`dead`, kv_len
+    0) are skipped: the live rows as without them, the dead rows' final norm zero."""
     states, x, weights, scales = _layer_inputs(shape, rows, splits, last)
+    kv_lens = jnp.asarray([0 if r in dead else 1 + r for r in range(rows)], jnp.int32)
+    live = np.asarray(kv_lens) > 0
 
     @jax.jit
-    def run(states, x, weights, scales):
+    def run(states, x, weights, scales, kv_lens):
         counters = layer_counters()
-        out = mosaic.post_attention(states, x, weights, *scales, counters, parity=0, eps=1e-6)
+        out = mosaic.post_attention(
+            states, x, weights, *scales, counters, parity=0, eps=1e-6, kv_lens=kv_lens
+        )
         return out, counters[2]
 
+    lens = kv_lens if dead else None
     with poison_outputs():
-        (h2, second), give_ups = run(states, x, weights, scales)
-        (h2_again, second_again), _ = run(states, x, weights, scales)
+        (h2, second), give_ups = run(states, x, weights, scales, lens)
+        (h2_again, second_again), _ = run(states, x, weights, scales, lens)
     assert (np.asarray(give_ups) == 0).all(), give_ups
-    np.testing.assert_array_equal(np.asarray(h2), np.asarray(h2_again))
-    np.testing.assert_array_equal(np.asarray(second), np.asarray(second_again))
+    np.testing.assert_array_equal(np.asarray(h2)[live], np.asarray(h2_again)[live])
+    row_axis = 0 if last else 1  # qkv: [parts, R, cols]
+    np.testing.assert_array_equal(
+        np.compress(live, np.asarray(second), row_axis),
+        np.compress(live, np.asarray(second_again), row_axis),
+    )
+    if last:
+        assert (np.asarray(second)[~live] == 0).all()
 
     def dot(a, w):
         return jnp.dot(a, w, preferred_element_type=jnp.float32)
@@ -335,7 +349,7 @@ def test_post_attention_kernel_matches_the_reference(shape, rows, splits, last):
     want = normed if last else dot(normed, weights[3])
     got = np.asarray(second, np.float32) if last else np.asarray(second).sum(0)
     for g, w in ((np.asarray(h2, np.float32), want_h2), (got, want)):
-        w = np.asarray(w, np.float32)
+        g, w = g[live], np.asarray(w, np.float32)[live]
         assert np.isfinite(g).all()
         np.testing.assert_allclose(g, w, atol=KERNEL_TOL * np.abs(w).max(), rtol=0)
 

@@ -35,6 +35,7 @@ barriers count in a ref that outlives the call (`grid_barrier`), so no memset pr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -517,6 +518,27 @@ def _store_transposed(acc, y_smem):
     store(acc, y_smem)
 
 
+def _row_zero(out, row):
+    """Per-thread code: row `row` of the GMEM ref `out` [R, hidden] set to zeros."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
+    def zero(ctx, out, row):
+        del ctx
+        _, hidden = ir.MemRefType(out.type).shape
+        dtype = ir.MemRefType(out.type).element_type
+        i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+        c32 = lambda v: mgpu_utils.c(v, i32)  # noqa: E731
+        r = arith.index_cast(index, row.registers.item())
+        tid = arith.remui(mgpu_utils.thread_idx(), c32(THREADS))
+        zeros = vector.broadcast(ir.VectorType.get([RUN], dtype), mgpu_utils.c(0.0, dtype))
+        for k in range(-(-hidden // (RUN * THREADS))):
+            col = arith.muli(arith.addi(tid, c32(k * THREADS)), c32(RUN))
+            with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, col, c32(hidden))):
+                vector.store(zeros, out, [r, arith.index_cast(index, col)])
+
+    zero(out, row)
+
+
 def layer(
     attn,
     x,
@@ -527,6 +549,7 @@ def layer(
     *,
     parity,
     eps,
+    kv_lens=None,
     stages=4,
     prologues=True,
     barriers=True,
@@ -551,6 +574,9 @@ def layer(
       counters: a `jax.new_ref` of [3, 3] int32 zeros, shared by consecutive calls that take
         `parity` 0 and 1 in turn (`grid_barrier`); row 2 counts barriers given up.
       eps: the norms' epsilon.
+      kv_lens: i32[S >= R], the decode step's: rows of inactive slots (kv_len 0) skip the
+        merge, the norms and SwiGLU (at B=1 the step's second row is padding); their h2 and
+        qkv are undefined, their final norm zero. None: every row is live.
 
     Returns:
       h2 [R, hidden] (the residual after the MLP) and the next layer's qkv as float32 partial
@@ -580,6 +606,8 @@ def layer(
     else:
         assert ps[2].units <= num_programs and min(p.units for p in ps) >= num_programs - 4
     assert shape.heads_dim // ps[0].parts <= THREADS * RUN  # o's merge: one warpgroup a part
+    assert kv_lens is None or (kv_lens.dtype == jnp.int32 and kv_lens.shape[0] >= rows)
+    heads = shape.heads_dim // shape.head_dim
     f32 = jnp.float32
     width = shape.inter // ps[2].parts
     x_cols = max(shape.heads_dim, shape.hidden, width)
@@ -588,6 +616,7 @@ def layer(
     def body(*refs):
         attn_ref, refs = (None, refs) if states else (refs[0], refs[1:])
         x_ref, s_mlp_ref, s_next_ref, counters_ref, *refs = refs
+        lens_ref, refs = (refs[0], refs[1:]) if kv_lens is not None else (None, refs)
         w_refs, refs = refs[: len(weights)], refs[len(weights) :]
         state_refs, refs = refs[: len(states)], refs[len(states) :]
         h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, *scratch = refs  # last: qkv_ref the norm
@@ -595,6 +624,12 @@ def layer(
         program = lax.axis_index("program")
         info, local = sched.plan(program)
         count = local[-1]
+
+        def when_live(r):
+            """Runs a row's per-thread code where its slot is active (`kv_lens`)."""
+            if lens_ref is None:
+                return lambda fn: fn()
+            return pl.when(lens_ref[r] > 0)
 
         def prologue(j):
             """What a program does after barrier j - 1, before phase j's first product."""
@@ -605,16 +640,19 @@ def layer(
                 parts, resid = (o_ref, x_ref) if j == 1 else (d_ref, h_ref)
                 out = h_ref if j == 1 else h2_ref
                 for r in range(rows):
-                    _row_norm(
-                        parts,
-                        resid,
-                        scale,
-                        out,
-                        x_smem,
-                        warp_sums,
-                        jnp.int32(r),
-                        eps=eps,
-                        write_sum=(program == 0).astype(jnp.int32),
+                    when_live(r)(
+                        functools.partial(
+                            _row_norm,
+                            parts,
+                            resid,
+                            scale,
+                            out,
+                            x_smem,
+                            warp_sums,
+                            jnp.int32(r),
+                            eps=eps,
+                            write_sum=(program == 0).astype(jnp.int32),
+                        )
                     )
             else:
                 first, n = info[2]
@@ -622,13 +660,16 @@ def layer(
                 @pl.when(n > 0)
                 def _():
                     for r in range(rows):
-                        _row_swiglu(
-                            gu_ref,
-                            x_smem,
-                            jnp.int32(r),
-                            lax.rem(first, ps[2].parts),
-                            width=width,
-                            pairs=direct,
+                        when_live(r)(
+                            functools.partial(
+                                _row_swiglu,
+                                gu_ref,
+                                x_smem,
+                                jnp.int32(r),
+                                lax.rem(first, ps[2].parts),
+                                width=width,
+                                pairs=direct,
+                            )
                         )
 
             plgpu.commit_smem()
@@ -651,12 +692,15 @@ def layer(
                     def _():
                         part = lax.rem(first, ps[0].parts)
                         for r in range(rows):
-                            _row_merge(
-                                *state_refs,
-                                x_smem,
-                                jnp.int32(r),
-                                part,
-                                heads_per_part=shape.heads_dim // shape.head_dim // ps[0].parts,
+                            when_live(r)(
+                                functools.partial(
+                                    _row_merge,
+                                    *state_refs,
+                                    x_smem,
+                                    jnp.int32(r),
+                                    part,
+                                    heads_per_part=heads // ps[0].parts,
+                                )
                             )
                         plgpu.commit_smem()
 
@@ -790,18 +834,25 @@ def layer(
                 @pl.when(program == 0)
                 def _():
                     for r in range(rows):
-                        _row_norm(
-                            d_ref,
-                            h_ref,
-                            s_next_ref,
-                            h2_ref,
-                            qkv_ref,
-                            warp_sums,
-                            jnp.int32(r),
-                            eps=eps,
-                            write_sum=jnp.int32(1),
-                            smem=False,
+                        when_live(r)(
+                            functools.partial(
+                                _row_norm,
+                                d_ref,
+                                h_ref,
+                                s_next_ref,
+                                h2_ref,
+                                qkv_ref,
+                                warp_sums,
+                                jnp.int32(r),
+                                eps=eps,
+                                write_sum=jnp.int32(1),
+                                smem=False,
+                            )
                         )
+                        if lens_ref is not None:  # an inactive slot's final norm: zeros
+                            pl.when(lens_ref[r] <= 0)(
+                                functools.partial(_row_zero, qkv_ref, jnp.int32(r))
+                            )
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -827,7 +878,13 @@ def layer(
     h2, qkv, *_ = launch(
         body,
         out_types,
-        (*(() if states else (attn,)), x, scale_mlp, scale_next, counters, *weights, *states),
+        (
+            *(() if states else (attn,)),
+            *(x, scale_mlp, scale_next, counters),
+            *(() if kv_lens is None else (kv_lens,)),
+            *weights,
+            *states,
+        ),
         grid=(num_programs,),
         grid_names=("program",),
         scratch_types=(
@@ -884,7 +941,17 @@ def supported(shape: Shape, rows: int, dtype) -> str | None:
 
 
 def post_attention(
-    attn, x, weights, scale_mlp, scale_next, counters, *, parity: int, eps: float, stages: int = 4
+    attn,
+    x,
+    weights,
+    scale_mlp,
+    scale_next,
+    counters,
+    *,
+    parity: int,
+    eps: float,
+    kv_lens=None,
+    stages: int = 4,
 ):
     """A decoder layer after its attention, and the next layer's norm and qkv, in one kernel
     (`layer` with the model's own matrices).
@@ -900,6 +967,8 @@ def post_attention(
       counters: int32 [3, 3] zeros as a `jax.new_ref`, shared by the calls of one step, which
         take `parity` 0 and 1 in turn.
       eps: the norms' epsilon.
+      kv_lens: the step's i32[S]: rows of inactive slots (0) skip the per-row work, their
+        h2 and qkv undefined and their final norm zero (`layer`); None: every row live.
 
     Returns:
       `(h2 [R, hidden], qkv f32[parts, R, qkv])`: the residual after the layer and the next
@@ -920,6 +989,7 @@ def post_attention(
         counters,
         parity=parity,
         eps=eps,
+        kv_lens=kv_lens,
         stages=stages,
         shape=shape,
     )
