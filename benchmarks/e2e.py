@@ -54,6 +54,7 @@ from flax import nnx
 
 import jaxpaged
 from benchmarks.common import print_table, roomy_engine_config, write_results
+from models import engine as engine_module
 from models.checkpoint import load_pretrained
 from models.config import CONFIGS, EngineConfig
 from models.decoder import Decoder
@@ -414,6 +415,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="decode steps of at most 8 rows run `Decoder(layer_kernel=True)`'s path",
     )
     parser.add_argument(
+        "--min-decode-rows",
+        type=int,
+        default=None,
+        help="the fewest sequence slots of a decode step (models.engine.MIN_DECODE_ROWS)",
+    )
+    parser.add_argument(
         "--top-kernels", type=int, default=12, help="with --profile: the costliest kernels listed"
     )
     parser.add_argument(
@@ -471,6 +478,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         jaxpaged.layers.DECODE_OUTPUT_SPLIT_K_MAX_TOKENS = args.output_split_k_max_tokens
     if args.output_split_k is not None:
         jaxpaged.layers.DECODE_OUTPUT_SPLIT_K = args.output_split_k
+    if args.min_decode_rows is not None:
+        engine_module.MIN_DECODE_ROWS = args.min_decode_rows
     hf = _hf_anchor(args) if args.hf else None  # first: torch needs the GPU's memory
     if args.profile and jax.default_backend() == "gpu":
         _discard_first_capture()
@@ -585,6 +594,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         if args.layer_kernel:
             case["layer_kernel"] = True
+        if args.min_decode_rows is not None:
+            case["min_decode_rows"] = args.min_decode_rows
     if args.out:
         write_results(args.out, "e2e", cases)
     return cases

@@ -204,7 +204,7 @@ def test_post_attention_kernel_lowers_to_one_kernel(shape, rows, splits, last):
     assert len(calls) == 1 and "@mosaic_gpu" in calls[0], calls
 
 
-@pytest.mark.parametrize(("num_slots", "pages_per_seq"), [(2, 64), (2, 2), (8, 8)])
+@pytest.mark.parametrize(("num_slots", "pages_per_seq"), [(1, 64), (2, 64), (2, 2), (8, 8)])
 def test_layer_path_step_lowers_to_two_kernels_a_layer(monkeypatch, num_slots, pages_per_seq):
     """The `1b`-shaped decode step through the layer path, cross-lowered for sm_90 as if on an
     H200 (the default device patched): per layer the decode kernel with `rope_append` folded
