@@ -388,7 +388,9 @@ def test_engine_with_the_layer_kernel_gives_the_induction_tokens():
     for layer_kernel in (False, True):
         model = induction_decoder(tiny)
         model.layer_kernel = layer_kernel
-        engine = Engine(model, config)
+        _, pages, meta = _decode_step(tiny, config.max_seqs, 3)
+        assert model.runs_layer_kernel(config.max_seqs, pages, meta, "mosaic") == layer_kernel
+        engine = Engine(model, config, implementation="mosaic")
         runs.append(engine.generate(prompts, SamplingParams(24)))
         assert engine.stats.decode_tokens > 0
     for want, got in zip(*runs, strict=True):
