@@ -49,6 +49,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import device_num_sms
+from pallas_kernels.mosaic.add_rms_norm import inverse_rms
 from pallas_kernels.mosaic.common import launch
 from pallas_kernels.mosaic.merge import merge_values
 from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
@@ -349,23 +350,10 @@ def _row_norm(
             totals.append(total)
             square = arith.select(valid, arith.mulf(total, total), zero)
             squares = square if squares is None else arith.addf(squares, square)
-        lane = None
-        for e in range(RUN):
-            item = vector.extract(
-                squares, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e])
-            )
-            lane = item if lane is None else arith.addf(lane, item)
-        warp_total = mgpu_utils.warp_tree_reduce(lane, arith.addf, 32)
-        warp = arith.index_cast(index, arith.divui(tid, c32(32)))
-        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, c32(32)), c32(0))):
-            memref.store(warp_total, warp_sums, [warp])
-        mgpu_utils.warpgroup_barrier()
-        sum_sq = memref.load(warp_sums, [mgpu_utils.c(0, index)])
-        for w in range(1, THREADS // 32):
-            sum_sq = arith.addf(sum_sq, memref.load(warp_sums, [mgpu_utils.c(w, index)]))
-        mgpu_utils.warpgroup_barrier()  # warp_sums is read before the next row writes it
-        mean = arith.divf(sum_sq, mgpu_utils.c(float(hidden), f32))
-        inv = vector.broadcast(vec(f32), mlir_math.rsqrt(arith.addf(mean, mgpu_utils.c(eps, f32))))
+        barrier = mgpu_utils.warpgroup_barrier
+        inv = inverse_rms(squares, warp_sums, tid, hidden=hidden, eps=eps, barrier=barrier)
+        inv = vector.broadcast(vec(f32), inv)
+        barrier()  # warp_sums is read before the next row writes it
         store_sum = arith.cmpi(arith.CmpIPredicate.ne, write_sum.registers.item(), c32(0))
         for (valid, col), (_, _, s_run), total in zip(runs, loaded, totals, strict=True):
             normed = arith.truncf(vec(bf16), arith.mulf(total, arith.mulf(inv, s_run)))
