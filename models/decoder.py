@@ -38,6 +38,9 @@ def split_gate_up(kernel) -> tuple[jax.Array, jax.Array]:
 # pair took 18.7 us against 21.7 (benchmarks/NOTES.md, session 21). Larger steps keep the
 # bfloat16 product: there the float32 one would double the bytes the activation reads.
 SWIGLU_F32_MAX_TOKENS = 64
+# Decode steps of at most this many sequence slots may run the layer kernel
+# (`Decoder(layer_kernel=True)`): its products take the rows as `wgmma`'s N of 8.
+LAYER_KERNEL_MAX_ROWS = 8
 
 
 class MLP(nnx.Module):
@@ -281,7 +284,7 @@ class Decoder(nnx.Module):
             return False
         if meta.prefix_groups is not None or jaxpaged.layers.tensor_parallel_size() > 1:
             return False
-        if config.qkv_bias or config.o_bias or num_tokens > 8:
+        if config.qkv_bias or config.o_bias or num_tokens > LAYER_KERNEL_MAX_ROWS:
             return False
         if implementation == "xla":
             return True
