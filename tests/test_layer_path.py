@@ -127,7 +127,7 @@ def test_layer_path_only_where_it_applies():
     assert not _model(jnp.float32, True, qkv_bias=True).runs_layer_kernel(2, pages, meta, "xla")
     if jax.default_backend() != "gpu":
         assert not model.runs_layer_kernel(2, pages, meta, None)
-    qkv = jnp.zeros((2, 2, 4, 64), jnp.float32)
+    qkv = jax.random.normal(jax.random.key(2), (2, 2, 4, 64), jnp.float32)  # never read
     prefill = dataclasses.replace(meta, decode=False)
     with pytest.raises(ValueError, match="attend_states takes a decode step's metadata"):
         model.layers[0].attn.attend_states(qkv, *pages[0], prefill, implementation="xla")
