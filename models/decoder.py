@@ -187,19 +187,32 @@ def post_attention(
         return mosaic.post_attention(
             states, x, weights, *scales, counters, parity=parity, eps=eps, kv_lens=kv_lens
         )
-    precision = layer.attn.o_proj.precision
+    return post_attention_reference(
+        states, x, weights, *scales, eps=eps, precision=layer.attn.o_proj.precision
+    )
+
+
+def post_attention_reference(
+    states, x, weights, scale_mlp, scale_next, *, eps: float, precision=None
+) -> tuple[jax.Array, jax.Array]:
+    """`post_attention`'s arithmetic in XLA on the matrices themselves (as
+    `pallas_kernels.mosaic.layer.post_attention` takes them), as the step's own path rounds
+    it: the split merge, o, h = x + o, its norm, SwiGLU from the float32 gate/up product,
+    down, h2 = h + down, the next norm, the next qkv as one float32 part [1, R, cols] (or,
+    without a fourth matrix, the final norm)."""
 
     def dot(a, w):
         return jnp.dot(a, w, precision=precision, preferred_element_type=jnp.float32)
 
+    rows = x.shape[0]
     out, lse = states
-    attn, _ = merge_splits(out[: x.shape[0]], lse[: x.shape[0]], out_dtype=x.dtype)
-    h = x + dot(attn.reshape(x.shape[0], -1), weights[0]).astype(x.dtype)
-    normed = jaxpaged.layers.rms_norm(h, scales[0], layer.post_attention_norm.epsilon)
+    attn, _ = merge_splits(out[:rows], lse[:rows], out_dtype=x.dtype)
+    h = x + dot(attn.reshape(rows, -1), weights[0]).astype(x.dtype)
+    normed = jaxpaged.layers.rms_norm(h, scale_mlp, eps)
     gate, up = split_gate_up(dot(normed, weights[1]))
     h2 = h + dot((jax.nn.silu(gate) * up).astype(x.dtype), weights[2]).astype(x.dtype)
-    normed = jaxpaged.layers.rms_norm(h2, scales[1], eps)
-    return h2, normed if next_qkv is None else dot(normed, weights[3])[None]
+    normed = jaxpaged.layers.rms_norm(h2, scale_next, eps)
+    return h2, normed if len(weights) == 3 else dot(normed, weights[3])[None]
 
 
 def layer_counters() -> jax.Array:

@@ -18,10 +18,10 @@ from flax import nnx
 
 import jaxpaged
 from models.config import CONFIGS, EngineConfig
-from models.decoder import Decoder, fuse_gate_up, layer_counters
+from models.decoder import Decoder, fuse_gate_up, layer_counters, post_attention_reference
 from models.engine import Engine
 from models.scheduler import SamplingParams
-from pallas_kernels.common import merge_splits, poison_outputs
+from pallas_kernels.common import poison_outputs
 from pallas_kernels.mosaic import layer as mosaic
 from tests.helpers import lower_for_hopper
 from tests.induction import induction_decoder, induction_prompt
@@ -336,17 +336,8 @@ def test_post_attention_kernel_matches_the_reference(shape, rows, splits, last, 
     if last:
         assert (np.asarray(second)[~live] == 0).all()
 
-    def dot(a, w):
-        return jnp.dot(a, w, preferred_element_type=jnp.float32)
-
-    attn, _ = merge_splits(states[0], states[1], out_dtype=jnp.bfloat16)
-    h = x + dot(attn.reshape(rows, -1), weights[0]).astype(x.dtype)
-    normed = jaxpaged.layers.rms_norm(h, scales[0], 1e-6)
-    gu = dot(normed, weights[1])
-    act = (jax.nn.silu(gu[:, 0::2]) * gu[:, 1::2]).astype(x.dtype)
-    want_h2 = h + dot(act, weights[2]).astype(x.dtype)
-    normed = jaxpaged.layers.rms_norm(want_h2, scales[1], 1e-6)
-    want = normed if last else dot(normed, weights[3])
+    want_h2, want = post_attention_reference(states, x, weights, *scales, eps=1e-6)
+    want = want if last else want[0]
     got = np.asarray(second, np.float32) if last else np.asarray(second).sum(0)
     for g, w in ((np.asarray(h2, np.float32), want_h2), (got, want)):
         g, w = g[live], np.asarray(w, np.float32)[live]
