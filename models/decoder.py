@@ -140,6 +140,27 @@ def _add_norm(x, h, norm: nnx.RMSNorm, implementation) -> tuple[jax.Array, jax.A
     )
 
 
+def norm_qkv(
+    x: jax.Array, layer: DecoderLayer, *, kv_lens: jax.Array | None, implementation: str | None
+) -> jax.Array:
+    """A decode step's first layer up to its attention, for `attend_states`: the input norm of
+    x [R, hidden] and the qkv projection as float32 partial sums [parts, R, Hkv, G + 2, D]. One
+    Mosaic GPU kernel (`pallas_kernels.mosaic.layer.norm_qkv`: XLA's dot would take a single
+    row as multiply + reduce) unless `implementation` is "xla" (the step's own norm and
+    split-K dot). Rows of inactive slots (`kv_lens` 0) are undefined."""
+    attn = layer.attn
+    shape = (attn.num_kv_heads, attn.num_q_heads // attn.num_kv_heads + 2, attn.head_dim)
+    if implementation == "xla":
+        return attn._qkv(layer.input_norm(x), partial=True)
+    from pallas_kernels.mosaic import layer as mosaic  # noqa: PLC0415
+
+    norm = layer.input_norm
+    qkv = mosaic.norm_qkv(
+        x, attn.qkv_proj.kernel[...], norm.scale[...], eps=norm.epsilon, kv_lens=kv_lens
+    )
+    return qkv.reshape(*qkv.shape[:2], *shape)
+
+
 def post_attention(
     states: tuple[jax.Array, jax.Array],
     x: jax.Array,
@@ -333,14 +354,13 @@ class Decoder(nnx.Module):
 
     def _decode_layer_kernel(self, tokens, kv_pages, meta, implementation):
         """`__call__` for a decode step, each layer's work after attention in one
-        `post_attention` call: the first layer's norm and qkv projection, then per layer
-        its attention (`attend_states`) and `post_attention`, which hands the next layer its
-        qkv projection, and the last the final norm."""
+        `post_attention` call: the first layer's norm and qkv projection (`norm_qkv`), then
+        per layer its attention (`attend_states`) and `post_attention`, which hands the next
+        layer its qkv projection, and the last the final norm."""
         x = self.embed(tokens)
-        first = self.layers[0]
         group = self.config.num_q_heads // self.config.num_kv_heads
         shape = (x.shape[0], self.config.num_kv_heads, group + 2, self.config.head_dim)
-        qkv = first.attn._qkv(first.input_norm(x), partial=True)
+        qkv = norm_qkv(x, self.layers[0], kv_lens=meta.kv_lens, implementation=implementation)
         counters = None if implementation == "xla" else layer_counters()
         new_pages = []
         for i, (layer, (k_pages, v_pages)) in enumerate(zip(self.layers, kv_pages, strict=True)):

@@ -93,10 +93,12 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
     written twice or not at all, or if a program's o or down units need parts of K other than
     the one its prologue takes (merges, or takes SwiGLU of). Returns (h2, qkv partial sums),
     or for the last layer (h2, the final norm), as `layer` does, for the first `real_rows`
-    rows."""
+    rows; with `w` (wqkv,) alone (`norm_qkv`: attn and scale_mlp unused) the qkv partial sums
+    of x's norm."""
     direct = isinstance(w, tuple)
     last = direct and len(w) == 3
-    sched = Schedule(shape, num_programs, direct, last)
+    qkv_only = direct and len(w) == 1
+    sched = Schedule(shape, num_programs, direct, last, qkv_only)
     ps = sched.phases
     if direct:
         mats = [np.asarray(m, np.float32) for m in w]
@@ -131,7 +133,9 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
     outs = [np.zeros((p.parts, rows, 2 if p.pair else 1, p.cols), f32) for p in ps]
     written = [np.zeros(o.shape, np.int32) for o in outs]
     xs = {}  # the phase's x a program multiplies (down: its part of act)
-    xs[0] = np.asarray(attn, f32)[:rows]
+    xs[0] = (
+        norm(np.asarray(x, f32)[:rows], scale_next) if qkv_only else np.asarray(attn, f32)[:rows]
+    )
     for j, p in enumerate(ps):
         if j == 1:
             o = bf16(outs[0].sum(0)[:, 0])
@@ -159,9 +163,10 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
                     xj = act[:, part * width : (part + 1) * width]
                 else:
                     xj = xs[j]
-                if j == 0 and at["part"][prog, i] != int(info[0][0][prog]) % p.parts:
+                if j == 0 and not qkv_only:
                     # o's prologue merges the heads of its first unit's part only
-                    raise AssertionError(f"program {prog}'s o units span parts of K")
+                    if at["part"][prog, i] != int(info[0][0][prog]) % p.parts:
+                        raise AssertionError(f"program {prog}'s o units span parts of K")
                 acc += xj[:, k : k + TILE_K] @ tile_of(prog, i)
                 if at["ends"][prog, i]:
                     part, tile, which = (at[n][prog, i] for n in ("part", "tile", "which"))
@@ -172,6 +177,8 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
     for j, n in enumerate(written):
         if not (n == 1).all():
             raise AssertionError(f"phase {j}: outputs written {np.unique(n)} times")
+    if qkv_only:
+        return outs[0][:, :, 0]
     if last:
         h2 = bf16(h + bf16(outs[2].sum(0)[:, 0]))
         return h2, norm(h2, scale_next)

@@ -207,9 +207,9 @@ def test_post_attention_kernel_lowers_to_one_kernel(shape, rows, splits, last):
 @pytest.mark.parametrize(("num_slots", "pages_per_seq"), [(1, 64), (2, 64), (2, 2), (8, 8)])
 def test_layer_path_step_lowers_to_two_kernels_a_layer(monkeypatch, num_slots, pages_per_seq):
     """The `1b`-shaped decode step through the layer path, cross-lowered for sm_90 as if on an
-    H200 (the default device patched): per layer the decode kernel with `rope_append` folded
-    in and the layer kernel, and no other custom call (no split merge; one split's bfloat16
-    states at 2 pages a sequence)."""
+    H200 (the default device patched): the first layer's norm and qkv kernel, then per layer
+    the decode kernel with `rope_append` folded in and the layer kernel, and no other custom
+    call (no split merge; one split's bfloat16 states at 2 pages a sequence)."""
     from jaxpaged import dispatch  # noqa: PLC0415
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -240,7 +240,63 @@ def test_layer_path_step_lowers_to_two_kernels_a_layer(monkeypatch, num_slots, p
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     layer_calls = [line for line in calls if "layer_kernel" in line]
     assert len(layer_calls) == layers and all("@mosaic_gpu" in line for line in calls), calls
-    assert len(calls) == 2 * layers, calls
+    assert sum("norm_qkv_kernel" in line for line in calls) == 1, calls
+    assert len(calls) == 2 * layers + 1, calls
+
+
+def _norm_qkv_inputs(hidden: int, qkv: int, rows: int, seed: int = 0):
+    """Random bfloat16 rows, a fused qkv [hidden, qkv] and a norm scale for `norm_qkv`."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (rows, hidden), jnp.float32).astype(jnp.bfloat16)
+    wqkv = jax.random.normal(keys[1], (hidden, qkv), jnp.float32) * hidden**-0.5
+    scale = 1 + 0.2 * jax.random.normal(keys[2], (hidden,), jnp.float32)
+    return x, wqkv.astype(jnp.bfloat16), scale.astype(jnp.bfloat16)
+
+
+def _norm_qkv_reference(x, wqkv, scale, eps=1e-6):
+    normed = jaxpaged.layers.rms_norm(x, scale, eps)
+    return jnp.dot(normed, wqkv, preferred_element_type=jnp.float32)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "qkv", "rows", "with_lens"), [(2048, 4096, 1, False), (128, 512, 8, True)]
+)
+def test_norm_qkv_kernel_lowers_to_one_kernel(hidden, qkv, rows, with_lens):
+    x, wqkv, scale = _norm_qkv_inputs(hidden, qkv, rows)
+    kv_lens = jnp.ones((rows,), jnp.int32) if with_lens else None
+
+    def run(x, wqkv, scale, kv_lens):
+        return mosaic.norm_qkv(x, wqkv, scale, eps=1e-6, kv_lens=kv_lens)
+
+    text = lower_for_hopper(run, x, wqkv, scale, kv_lens)
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "norm_qkv_kernel" in calls[0], calls
+
+
+def test_norm_qkv_kernel_refuses_what_it_does_not_take():
+    x, wqkv, scale = _norm_qkv_inputs(128, 512, 2)
+    cases = [
+        ((x.astype(jnp.float32), wqkv.astype(jnp.float32), scale), "bfloat16 only; got float32"),
+        ((jnp.concatenate([x] * 5)[:9], wqkv, scale), "at most 8 rows; got 9"),
+        ((x, wqkv[:64], scale), r"x \[R, 128\] needs wqkv \[128, qkv\]"),
+        ((x, wqkv[:, :448], scale), "whole 128-column tiles"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            mosaic.norm_qkv(*args, eps=1e-6)
+
+
+@pytest.mark.parametrize("programs", [132, 8, 6])
+def test_norm_qkv_schedule_writes_every_output_once(programs):
+    """`norm_qkv`'s schedule (qkv alone, each program's norm first) at the tiny shape in
+    NumPy: every output element written exactly once, the sum of its parts against XLA."""
+    from probes.layer_kernel import simulate  # noqa: PLC0415
+
+    x, wqkv, scale = _norm_qkv_inputs(128, 512, 3)
+    shape = mosaic.Shape(hidden=128, qkv=512)
+    parts = simulate(None, x, (wqkv,), None, scale, num_programs=programs, real_rows=3, shape=shape)
+    want = np.asarray(_norm_qkv_reference(x, wqkv, scale))
+    np.testing.assert_allclose(parts.sum(0), want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
 def test_post_attention_kernel_refuses_what_it_does_not_take():
@@ -343,6 +399,29 @@ def test_post_attention_kernel_matches_the_reference(shape, rows, splits, last, 
         g, w = g[live], np.asarray(w, np.float32)[live]
         assert np.isfinite(g).all()
         np.testing.assert_allclose(g, w, atol=KERNEL_TOL * np.abs(w).max(), rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("hidden", "qkv", "rows", "dead"),
+    [(2048, 4096, 1, ()), (2048, 4096, 2, (1,)), (2048, 4096, 8, (0, 5)), (128, 512, 3, ())],
+)
+def test_norm_qkv_kernel_matches_the_reference(hidden, qkv, rows, dead):
+    """The first layer's norm and qkv kernel against XLA, outputs poisoned first; twice, the
+    same bits. Rows of inactive slots (`dead`) are skipped, the live rows as without them.
+    The norm rounds to bfloat16 at the same point as XLA's; its float32 sum of squares in
+    another order can flip a rounding (2^-8 of an element): `KERNEL_TOL`."""
+    x, wqkv, scale = _norm_qkv_inputs(hidden, qkv, rows)
+    kv_lens = jnp.asarray([0 if r in dead else 1 + r for r in range(rows)], jnp.int32)
+    live = np.asarray(kv_lens) > 0
+    run = jax.jit(lambda *a: mosaic.norm_qkv(*a, eps=1e-6, kv_lens=kv_lens if dead else None))
+    with poison_outputs():
+        got, again = run(x, wqkv, scale), run(x, wqkv, scale)
+    got, again = np.asarray(got)[:, live], np.asarray(again)[:, live]
+    np.testing.assert_array_equal(got, again)
+    assert np.isfinite(got).all()
+    want = np.asarray(_norm_qkv_reference(x, wqkv, scale))[live]
+    np.testing.assert_allclose(got.sum(0), want, atol=KERNEL_TOL * np.abs(want).max(), rtol=0)
 
 
 @pytest.mark.gpu

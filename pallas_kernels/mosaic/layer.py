@@ -160,12 +160,21 @@ class Phase:
 
 
 def phases(
-    shape: Shape, direct: bool = False, num_programs: int = 132, last: bool = False
+    shape: Shape,
+    direct: bool = False,
+    num_programs: int = 132,
+    last: bool = False,
+    qkv_only: bool = False,
 ) -> tuple[Phase, ...]:
-    """o, gate/up, down and, unless `last`, qkv. `arrange`'s form is the `1b` shape's: gate/up's
-    units a gate tile and its up tile over a quarter of K. `direct`: 64 columns of each of the
-    model's matrices (the fused gate/up [hidden, 2 I] in its interleaved columns,
-    `models.decoder.split_gate_up`), each phase's parts of K from `choose_parts`."""
+    """o, gate/up, down and, unless `last`, qkv; with `qkv_only` (`norm_qkv`) qkv alone.
+    `arrange`'s form is the `1b` shape's: gate/up's units a gate tile and its up tile over a
+    quarter of K. `direct`: 64 columns of each of the model's matrices (the fused gate/up
+    [hidden, 2 I] in its interleaved columns, `models.decoder.split_gate_up`), each phase's
+    parts of K from `choose_parts`."""
+    qkv = Phase(shape.hidden, shape.qkv, choose_parts(shape.hidden, shape.qkv, num_programs))
+    if qkv_only:
+        assert direct and not last
+        return (qkv,)
     if not direct:
         assert not last
         return (
@@ -202,9 +211,7 @@ def phases(
         Phase(shape.inter, shape.hidden, down_parts),
     ]
     if not last:
-        layers.append(
-            Phase(shape.hidden, shape.qkv, choose_parts(shape.hidden, shape.qkv, num_programs))
-        )
+        layers.append(qkv)
     return tuple(layers)
 
 
@@ -232,10 +239,11 @@ class Schedule:
     num_programs: int
     direct: bool = False
     last: bool = False
+    qkv_only: bool = False
 
     @property
     def phases(self) -> tuple[Phase, ...]:
-        return phases(self.shape, self.direct, self.num_programs, self.last)
+        return phases(self.shape, self.direct, self.num_programs, self.last, self.qkv_only)
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -289,7 +297,7 @@ class Schedule:
         part, tile = unit % parts, unit // parts
         # x holds all of K, except in down, where it holds the program's part of act.
         w_k_step = part * half + step % half
-        k_step = jnp.where(phase == 2, step, w_k_step)
+        k_step = w_k_step if self.qkv_only else jnp.where(phase == 2, step, w_k_step)
         return dict(
             phase=phase,
             unit=unit,
@@ -308,15 +316,22 @@ def _row_norm(
     parts, resid, scale, sum_out, normed_out, warp_sums, row, *, eps, write_sum, smem=True
 ):
     """Per-thread code of the compute warpgroup for one row: h = resid + rounded(sum of the
-    partial sums), rounded, as `jaxpaged.add_rms_norm`; its RMSNorm times `scale` rounded to
-    bfloat16 into row `row` of `normed_out`: the next phase's x in shared memory (`TILED`),
-    or with `smem` False a GMEM ref (the last layer's output); h into `sum_out` where
-    `write_sum`. Runs of 4 columns a thread; runs past the row's end load the last run again
-    and store nothing."""
+    partial sums), rounded, as `jaxpaged.add_rms_norm` (`parts` None: h = resid); its RMSNorm
+    times `scale` rounded to bfloat16 into row `row` of `normed_out`: the next phase's x in
+    shared memory (`TILED`), or with `smem` False a GMEM ref (the last layer's output); h into
+    `sum_out` (unless None) where `write_sum`. Runs of 4 columns a thread; runs past the row's
+    end load the last run again and store nothing."""
+    has_parts, has_sum = parts is not None, sum_out is not None
 
-    def kernel(ctx, parts, resid, scale, sum_out, normed_out, warp_sums, row, write_sum):
+    def kernel(ctx, *args):
         del ctx
-        num_parts, _, hidden = ir.MemRefType(parts.type).shape
+        args = list(args)
+        parts = args.pop(0) if has_parts else None
+        resid, scale = args.pop(0), args.pop(0)
+        sum_out = args.pop(0) if has_sum else None
+        normed_out, warp_sums, row, write_sum = args
+        num_parts = ir.MemRefType(parts.type).shape[0] if has_parts else 0
+        hidden = ir.MemRefType(resid.type).shape[1]
         i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
         bf16 = ir.BF16Type.get()
         vec = lambda t: ir.VectorType.get([RUN], t)  # noqa: E731
@@ -343,10 +358,13 @@ def _row_norm(
         totals, squares = [], None
         zero = vector.broadcast(vec(f32), mgpu_utils.c(0.0, f32))
         for (valid, _), (x_run, terms, _) in zip(runs, loaded, strict=True):
-            h_run = terms[0]
-            for term in terms[1:]:
-                h_run = arith.addf(h_run, term)
-            total = rounded(arith.addf(x_run, rounded(h_run)))
+            if terms:
+                h_run = terms[0]
+                for term in terms[1:]:
+                    h_run = arith.addf(h_run, term)
+                total = rounded(arith.addf(x_run, rounded(h_run)))
+            else:
+                total = x_run
             totals.append(total)
             square = arith.select(valid, arith.mulf(total, total), zero)
             squares = square if squares is None else arith.addf(squares, square)
@@ -362,15 +380,15 @@ def _row_norm(
                     vector.store(normed, normed_out, tiled_indices(r, col))
                 else:
                     vector.store(normed, normed_out, [r, col])
-            with mgpu_utils.when(arith.andi(valid, store_sum)):
-                vector.store(arith.truncf(vec(bf16), total), sum_out, [r, col])
+            if has_sum:
+                with mgpu_utils.when(arith.andi(valid, store_sum)):
+                    vector.store(arith.truncf(vec(bf16), total), sum_out, [r, col])
 
-    refs = (plgpu.RefType(),) * 4
+    refs = [ref for ref in (parts, resid, scale, sum_out) if ref is not None]
     out_type = plgpu.RefType(TILED) if smem else plgpu.RefType()
     splat = plgpu.Layout.WG_SPLAT(shape=())
-    plgpu.inline_mgpu(arg_types=(*refs, out_type, plgpu.RefType(), splat, splat))(kernel)(
-        parts, resid, scale, sum_out, normed_out, warp_sums, row, write_sum
-    )
+    arg_types = (*(plgpu.RefType(),) * len(refs), out_type, plgpu.RefType(), splat, splat)
+    plgpu.inline_mgpu(arg_types=arg_types)(kernel)(*refs, normed_out, warp_sums, row, write_sum)
 
 
 def _row_swiglu(gate_up, x_smem, row, part, *, width, pairs):
@@ -576,38 +594,49 @@ def layer(
     (Mosaic GPU's in-kernel profiler, `probes.layer_stream.barrier_trace` reads them)."""
     direct = isinstance(w, tuple)
     last = direct and len(w) == 3
+    qkv_only = direct and len(w) == 1  # `norm_qkv`
     states = attn if isinstance(attn, tuple) else ()
+    takes_attn = not states and not qkv_only  # a merged attention output, copied in
     rows = x.shape[0]  # R
     assert 1 <= rows <= ROWS and x.shape == (rows, shape.hidden)
     if states:  # o's programs merge them into x_smem's first R rows
         assert states[0].shape[2:] == (shape.heads_dim // shape.head_dim, shape.head_dim)
         assert states[0].shape[0] >= rows and states[1].shape == states[0].shape[:3]
-    else:
+    elif takes_attn:
         assert attn.shape == (ROWS, shape.heads_dim)
     num_programs = device_num_sms()
-    sched = Schedule(shape, num_programs, direct, last)
+    sched = Schedule(shape, num_programs, direct, last, qkv_only)
     ps = sched.phases
     # x's shared memory holds one part of the intermediate dimension in the down phase: a
     # program's down units share it (`choose_parts`; at `1b` one unit a program).
-    if direct:
+    if qkv_only:
+        pass
+    elif direct:
         assert num_programs % ps[2].parts == 0
     else:
         assert ps[2].units <= num_programs and min(p.units for p in ps) >= num_programs - 4
-    assert shape.heads_dim // ps[0].parts <= THREADS * RUN  # o's merge: one warpgroup a part
+    if not qkv_only:  # o's merge: one warpgroup a part
+        assert shape.heads_dim // ps[0].parts <= THREADS * RUN
     assert kv_lens is None or (kv_lens.dtype == jnp.int32 and kv_lens.shape[0] >= rows)
     heads = shape.heads_dim // shape.head_dim
     f32 = jnp.float32
-    width = shape.inter // ps[2].parts
-    x_cols = max(shape.heads_dim, shape.hidden, width)
+    width = 0 if qkv_only else shape.inter // ps[2].parts
+    x_cols = shape.hidden if qkv_only else max(shape.heads_dim, shape.hidden, width)
     weights = w if direct else (w,)
 
     def body(*refs):
-        attn_ref, refs = (None, refs) if states else (refs[0], refs[1:])
-        x_ref, s_mlp_ref, s_next_ref, counters_ref, *refs = refs
+        attn_ref, refs = (refs[0], refs[1:]) if takes_attn else (None, refs)
+        if qkv_only:
+            (x_ref, s_next_ref, *refs), s_mlp_ref, counters_ref = refs, None, None
+        else:
+            x_ref, s_mlp_ref, s_next_ref, counters_ref, *refs = refs
         lens_ref, refs = (refs[0], refs[1:]) if kv_lens is not None else (None, refs)
         w_refs, refs = refs[: len(weights)], refs[len(weights) :]
         state_refs, refs = refs[: len(states)], refs[len(states) :]
-        h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, *scratch = refs  # last: qkv_ref the norm
+        if qkv_only:
+            (qkv_ref, *scratch), h2_ref, o_ref, gu_ref, d_ref, h_ref = refs, *(None,) * 5
+        else:  # last: qkv_ref the final norm
+            h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, *scratch = refs
         x_smem, y_smem, warp_sums, a_barrier, pipe = scratch
         program = lax.axis_index("program")
         info, local = sched.plan(program)
@@ -670,9 +699,31 @@ def layer(
 
             @pl.when(i == 0)
             def _():
-                if not states:
+                if takes_attn:
                     plgpu.barrier_wait(a_barrier)
                 first, n = info[0]
+                if qkv_only and prologues:  # x's norm, as the layers' norms after a barrier
+
+                    @pl.when(n > 0)
+                    @jax.named_scope("prologue0")
+                    def _():
+                        for r in range(rows):
+                            when_live(r)(
+                                functools.partial(
+                                    _row_norm,
+                                    None,
+                                    x_ref,
+                                    s_next_ref,
+                                    None,
+                                    x_smem,
+                                    warp_sums,
+                                    jnp.int32(r),
+                                    eps=eps,
+                                    write_sum=jnp.int32(0),
+                                )
+                            )
+                        plgpu.commit_smem()
+
                 if states and prologues:
 
                     @pl.when(n > 0)
@@ -727,7 +778,11 @@ def layer(
                 y_rows = y_smem if rows == ROWS else y_smem.at[pl.ds(0, rows)]
                 plgpu.commit_smem()
                 cols = pl.ds(tile * TILE_N, TILE_N)
-                dests = (o_ref, gu_ref if direct else None, d_ref, qkv_ref)[: len(ps)]
+                dests = (
+                    (qkv_ref,)
+                    if qkv_only
+                    else (o_ref, gu_ref if direct else None, d_ref, qkv_ref)[: len(ps)]
+                )
                 for j, dest in enumerate(dests):
                     if dest is not None:
                         pl.when(phase == j)(
@@ -745,12 +800,14 @@ def layer(
             return jnp.where(row < jnp.where(ends, 0, TILE_N), acc, jnp.zeros_like(acc))
 
         def start():
-            @pl.when(program == 0)
-            def _():  # the other slot, for the next call (a last layer's uses all of them)
-                for b in range(counters.shape[1]):
-                    counters_ref[1 - parity, b] = jnp.int32(0)
+            if counters_ref is not None:
 
-            if not states:
+                @pl.when(program == 0)
+                def _():  # the other slot, for the next call (a last layer's uses all of them)
+                    for b in range(counters.shape[1]):
+                        counters_ref[1 - parity, b] = jnp.int32(0)
+
+            if takes_attn:
                 # The attention output comes in beside the first weight tiles; o's first
                 # product waits for it.
                 x_attn = x_smem.at[:, pl.ds(0, shape.heads_dim)]
@@ -846,14 +903,18 @@ def layer(
 
     gu_shape = (rows, 2 * shape.inter) if direct else (rows, 2, shape.inter)
     out_types = (
-        jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
-        jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype)
-        if last
-        else jax.ShapeDtypeStruct((ps[3].parts, rows, shape.qkv), f32),
-        jax.ShapeDtypeStruct((ps[0].parts, rows, shape.hidden), f32),
-        jax.ShapeDtypeStruct((ps[1].parts, *gu_shape), f32),
-        jax.ShapeDtypeStruct((ps[2].parts, rows, shape.hidden), f32),
-        jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
+        (jax.ShapeDtypeStruct((ps[0].parts, rows, shape.qkv), f32),)
+        if qkv_only
+        else (
+            jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
+            jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype)
+            if last
+            else jax.ShapeDtypeStruct((ps[3].parts, rows, shape.qkv), f32),
+            jax.ShapeDtypeStruct((ps[0].parts, rows, shape.hidden), f32),
+            jax.ShapeDtypeStruct((ps[1].parts, *gu_shape), f32),
+            jax.ShapeDtypeStruct((ps[2].parts, rows, shape.hidden), f32),
+            jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
+        )
     )
     pipe = (
         (
@@ -863,12 +924,12 @@ def layer(
         if direct
         else ()
     )
-    h2, qkv, *_ = launch(
+    outs = launch(
         body,
         out_types,
         (
-            *(() if states else (attn,)),
-            *(x, scale_mlp, scale_next, counters),
+            *((attn,) if takes_attn else ()),
+            *((x, scale_next) if qkv_only else (x, scale_mlp, scale_next, counters)),
             *(() if kv_lens is None else (kv_lens,)),
             *weights,
             *states,
@@ -882,13 +943,13 @@ def layer(
             plgpu.Barrier(),
             pipe,
         ),
-        kernel_name="layer_kernel",
+        kernel_name="norm_qkv_kernel" if qkv_only else "layer_kernel",
         compiler_params=plgpu.CompilerParams(
             **(dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {})
         ),
         **(dict(num_threads=2, thread_name="wg") if direct else {}),
     )
-    return h2, qkv
+    return outs[0] if qkv_only else tuple(outs[:2])
 
 
 def model_shape(wo, w_gate_up, wd, wqkv, head_dim: int) -> Shape:
@@ -980,4 +1041,47 @@ def post_attention(
         kv_lens=kv_lens,
         stages=stages,
         shape=shape,
+    )
+
+
+def norm_qkv(x, wqkv, scale, *, eps: float, kv_lens=None, stages: int = 4):
+    """A decode step's first layer up to its attention: the input RMSNorm of x and the fused
+    qkv projection, as float32 partial sums over parts of K, in one kernel (`layer`'s qkv
+    phase alone, each program taking the norm itself first, as after a barrier). In XLA
+    these are a norm and a dot, which XLA rewrites as multiply + reduce at one row.
+
+    Args:
+      x: [R, hidden] bfloat16, the embedded tokens, R <= 8.
+      wqkv: the layer's fused qkv [hidden, qkv]; scale: its input norm's scale [hidden].
+      eps: the norm's epsilon.
+      kv_lens: the step's i32[S >= R]: rows of inactive slots (0) skip the norm, their qkv
+        undefined; None: every row live.
+
+    Returns:
+      f32[parts, R, qkv], summed by the decode kernel's fold as `post_attention`'s qkv.
+    """
+    rows, hidden = x.shape
+    why = None
+    if jnp.dtype(x.dtype) != jnp.bfloat16 or wqkv.dtype != x.dtype:
+        why = f"bfloat16 only; got {jnp.dtype(x.dtype).name} x, {jnp.dtype(wqkv.dtype).name} wqkv"
+    elif not 1 <= rows <= ROWS:
+        why = f"at most {ROWS} rows; got {rows}"
+    elif wqkv.shape[0] != hidden or scale.shape != (hidden,):
+        why = f"x [R, {hidden}] needs wqkv [{hidden}, qkv] and scale [{hidden}]"
+    elif hidden % TILE_K or wqkv.shape[1] % TILE_K:
+        why = f"dimensions in whole {TILE_K}-column tiles; got wqkv {wqkv.shape}"
+    if why is not None:
+        raise ValueError(f"norm_qkv does not take this layer: {why}")
+    return layer(
+        None,
+        x,
+        (wqkv,),
+        None,
+        scale,
+        None,
+        parity=0,
+        eps=eps,
+        kv_lens=kv_lens,
+        stages=stages,
+        shape=Shape(hidden=hidden, qkv=wqkv.shape[1]),
     )
