@@ -247,10 +247,12 @@ class Decoder(nnx.Module):
     vocabulary (so a step can project only the rows it samples from).
 
     `layer_kernel`: decode steps of at most 8 rows run each layer's work after attention as
-    one kernel (`post_attention`) where it applies (`runs_layer_kernel`). Not yet measured on
-    the GPU: off by default."""
+    one kernel (`post_attention`) where it applies (`runs_layer_kernel`): None where the
+    kernels run (Hopper), True also as the same structure in XLA under `implementation="xla"`
+    (the path's reference, for tests), False never. Not yet measured on the GPU: off by
+    default."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_kernel: bool = False):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_kernel: bool | None = False):
         self.config = config
         self.layer_kernel = layer_kernel
         self.embed = nnx.Embed(
@@ -308,20 +310,21 @@ class Decoder(nnx.Module):
     def runs_layer_kernel(
         self, num_tokens: int, kv_pages: KVPages, meta: jaxpaged.StepMetadata, implementation
     ) -> bool:
-        """Whether a step runs `_decode_layer_kernel`: with `layer_kernel`, a decode step of
-        at most 8 rows without shared prefixes or tensor parallelism, a model without
-        projection biases; on Hopper where the Mosaic GPU decode kernel folds `rope_append`
-        and `pallas_kernels.mosaic.layer` takes the shape (bfloat16), or anywhere with
-        `implementation` "xla" (the same structure in XLA: the path's reference)."""
+        """Whether a step runs `_decode_layer_kernel`: unless `layer_kernel` is False, a
+        decode step of at most 8 rows without shared prefixes or tensor parallelism, a model
+        without projection biases; on Hopper where the Mosaic GPU decode kernel folds
+        `rope_append` and `pallas_kernels.mosaic.layer` takes the shape (bfloat16), or with
+        `layer_kernel` True and `implementation` "xla" anywhere (the same structure in XLA:
+        the path's reference)."""
         config = self.config
-        if not (self.layer_kernel and meta.decode and meta.kv_slots is not None):
+        if self.layer_kernel is False or not (meta.decode and meta.kv_slots is not None):
             return False
         if meta.prefix_groups is not None or jaxpaged.layers.tensor_parallel_size() > 1:
             return False
         if config.qkv_bias or config.o_bias or num_tokens > LAYER_KERNEL_MAX_ROWS:
             return False
         if implementation == "xla":
-            return True
+            return self.layer_kernel is True
         if jax.default_backend() != "gpu" or implementation not in (None, "mosaic"):
             return False
         from pallas_kernels.mosaic import layer as mosaic  # noqa: PLC0415

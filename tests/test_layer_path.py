@@ -117,8 +117,8 @@ def test_layer_path_matches_the_step(dtype, num_slots, live, qk_norm):
 
 
 def test_layer_path_only_where_it_applies():
-    """Prefill steps, steps of more than 8 rows, projection biases and a GPU-less machine
-    without "xla" keep the step's own path."""
+    """Prefill steps, steps of more than 8 rows, projection biases, a GPU-less machine
+    without "xla", and "xla" unless `layer_kernel` is True keep the step's own path."""
     model = _model(jnp.float32, True)
     tokens, pages, meta = _decode_step(model.config, 2, 2)
     assert model.runs_layer_kernel(2, pages, meta, "xla")
@@ -127,6 +127,9 @@ def test_layer_path_only_where_it_applies():
     assert not _model(jnp.float32, True, qkv_bias=True).runs_layer_kernel(2, pages, meta, "xla")
     if jax.default_backend() != "gpu":
         assert not model.runs_layer_kernel(2, pages, meta, None)
+    # None: the kernels where they run, never the XLA structure (the step's own path on CPU).
+    model.layer_kernel = None
+    assert not model.runs_layer_kernel(2, pages, meta, "xla")
     qkv = jax.random.normal(jax.random.key(2), (2, 2, 4, 64), jnp.float32)  # never read
     prefill = dataclasses.replace(meta, decode=False)
     with pytest.raises(ValueError, match="attend_states takes a decode step's metadata"):
