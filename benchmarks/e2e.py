@@ -33,6 +33,11 @@ matmuls, attention and the rest, and the kernels per step: what the wall time sp
 kernels is launch gaps and host work. (The first CUPTI capture of a process has been seen to
 miss most kernels, so one is run and thrown away first: see `benchmarks/NOTES.md`.)
 
+`--decode-variants plain layer layer-1slot` runs each decode batch of at most 8 rows once per
+variant, beside the same anchors: the step's own XLA layers, the layer kernel path
+(`Decoder(layer_kernel=True)`), and that path with one sequence slot at B=1
+(`models.engine.MIN_DECODE_ROWS` 1; the step's only dot left to XLA is then the logits).
+
 `--model PATH` runs a Hugging Face checkpoint (`models.checkpoint.load_pretrained`) instead of
 a built-in config, and the HF anchor then loads the same folder.
 
@@ -57,9 +62,14 @@ from benchmarks.common import print_table, roomy_engine_config, write_results
 from models import engine as engine_module
 from models.checkpoint import load_pretrained
 from models.config import CONFIGS, EngineConfig
-from models.decoder import Decoder
+from models.decoder import LAYER_KERNEL_MAX_ROWS, Decoder
 from models.engine import Engine, Stats, compiler_options, step_xla_options
 from models.scheduler import SamplingParams
+
+# `--decode-variants`: name -> (`Decoder.layer_kernel`, `models.engine.MIN_DECODE_ROWS`; None:
+# the engine's own).
+DECODE_VARIANTS = {"plain": (False, None), "layer": (True, None), "layer-1slot": (True, 1)}
+DEFAULT_MIN_DECODE_ROWS = engine_module.MIN_DECODE_ROWS
 
 
 def _engine(
@@ -421,6 +431,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="the fewest sequence slots of a decode step (models.engine.MIN_DECODE_ROWS)",
     )
     parser.add_argument(
+        "--decode-variants",
+        nargs="*",
+        choices=sorted(DECODE_VARIANTS),
+        default=None,
+        help="decode batches of at most 8 rows run once in each (the model's path and the "
+        "fewest slots), beside the same anchors; larger batches once as the flags say",
+    )
+    parser.add_argument(
         "--top-kernels", type=int, default=12, help="with --profile: the costliest kernels listed"
     )
     parser.add_argument(
@@ -541,10 +559,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
             record(_prefill_case(engine, prompts, "batch_prefill", chunk, args))
 
     copy_tb_s = _copy_bandwidth() if jax.default_backend() == "gpu" else None
-    for batch in args.batches:
-        prompts = rng.integers(0, vocab, (batch, args.ctx))
+    small = args.decode_variants and LAYER_KERNEL_MAX_ROWS
+    runs = [
+        (batch, variant)
+        for batch in args.batches
+        for variant in (args.decode_variants if small and batch <= small else [None])
+    ]
+    baselines = {}
+    for batch, variant in runs:
+        prompts = np.random.default_rng([batch, args.ctx]).integers(0, vocab, (batch, args.ctx))
         steps, budget = args.new_tokens - 1, max(2048, args.ctx)  # the first token: prefill's
         max_len = args.ctx + _decode_budget(batch, args.ctx, steps, budget) + 1
+        layer_kernel, min_rows = DECODE_VARIANTS.get(
+            variant, (args.layer_kernel, args.min_decode_rows)
+        )
+        model.layer_kernel = layer_kernel
+        engine_module.MIN_DECODE_ROWS = min_rows or DEFAULT_MIN_DECODE_ROWS
         engine = make(max_seqs=batch, budget=budget, max_len=max_len)
         # Compile, and warm up on other prompts of the same length, so that the warm-up runs
         # what the window runs. (Until the engine compiled its pool updates when built, the
@@ -554,6 +584,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         case = dict(
             kind="decode", batch=batch, ctx=args.ctx, decode_steps=engine.config.decode_steps
         )
+        if variant is not None:
+            case.update(variant=variant, decode_rows=engine.decode_rows)
         case.update(_decode_part(engine, prompts.tolist(), steps))
         case["block_ms"] = case["wall_ms_per_step"] * engine.config.decode_steps
         if args.profile:
@@ -574,11 +606,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             case["vs_hf"] = case["tokens_per_s"] / anchor["tokens_per_s"]
             case["hf_versions"] = f"torch {hf['torch']}, transformers {hf['transformers']}"
         if not args.no_baseline:
-            # Its cache as long as the tokens it generates (XLA attention reads all of it).
-            case["baseline_tokens_per_s"] = _dense_decode_tokens_per_s(
-                model, prompts, args.ctx + args.new_tokens + 1, args.new_tokens
-            )
+            # Its cache as long as the tokens it generates (XLA attention reads all of it);
+            # once per batch: it runs no engine, so no variant changes it.
+            if batch not in baselines:
+                baselines[batch] = _dense_decode_tokens_per_s(
+                    model, prompts, args.ctx + args.new_tokens + 1, args.new_tokens
+                )
+            case["baseline_tokens_per_s"] = baselines[batch]
+        if layer_kernel:
+            case["layer_kernel"] = True
+        if min_rows is not None:
+            case["min_decode_rows"] = min_rows
         record(case)
+    model.layer_kernel = args.layer_kernel
+    engine_module.MIN_DECODE_ROWS = DEFAULT_MIN_DECODE_ROWS
 
     implementation = {
         op: jaxpaged.resolve_implementation(op, args.implementation, model.config.dtype)
@@ -592,10 +633,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             + "".join(f", {name}={value} (decode)" for name, value in decode_extra),
             implementation=implementation["ragged" if case["kind"] == "prefill" else "decode"],
         )
-        if args.layer_kernel:
+        if case["kind"] != "decode" and args.layer_kernel:
             case["layer_kernel"] = True
-        if args.min_decode_rows is not None:
-            case["min_decode_rows"] = args.min_decode_rows
     if args.out:
         write_results(args.out, "e2e", cases)
     return cases
