@@ -247,6 +247,41 @@ def test_layer_path_step_lowers_to_two_kernels_a_layer(monkeypatch, num_slots, p
     assert len(calls) == 2 * layers + 1, calls
 
 
+@pytest.mark.parametrize("min_rows", [1, 2])
+def test_decode_block_through_the_layer_path_lowers_for_hopper(monkeypatch, min_rows):
+    """The engine's decode block (a while loop of steps, the barrier counters a new ref in
+    each) with the layer path, at B=1 in one sequence slot or two, cross-lowered for sm_90 as
+    if on an H200: the first layer's norm and qkv kernel and per layer the decode kernel and
+    the layer kernel, and no other custom call."""
+    from jaxpaged import dispatch  # noqa: PLC0415
+    from models import engine as engine_module  # noqa: PLC0415
+
+    layers = 3
+    monkeypatch.setattr(engine_module, "MIN_DECODE_ROWS", min_rows)
+    config = dataclasses.replace(CONFIGS["1b"], num_layers=layers, vocab_size=512)
+    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True)
+    engine_config = EngineConfig(page_size=PAGE, num_pages=64, max_seqs=1, max_model_len=512)
+    engine = Engine(model, engine_config, implementation="xla")  # built (compiled) on the CPU
+    assert engine.decode_rows == min_rows
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "default_device", lambda: dispatch.Device("gpu", "9.0", 132))
+    traced = engine._block_fns[False].trace(
+        engine.param_leaves,
+        engine.kv_pages,
+        engine.pool,
+        engine._block_inputs([]),
+        num_steps=engine_config.decode_steps,
+        implementation="mosaic",
+        sampling_case=0,
+    )
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert all("@mosaic_gpu" in line for line in calls), calls
+    assert sum("layer_kernel" in line for line in calls) == layers, calls
+    assert sum("norm_qkv_kernel" in line for line in calls) == 1, calls
+    assert len(calls) == 2 * layers + 1, calls
+
+
 def _norm_qkv_inputs(hidden: int, qkv: int, rows: int, seed: int = 0):
     """Random bfloat16 rows, a fused qkv [hidden, qkv] and a norm scale for `norm_qkv`."""
     keys = jax.random.split(jax.random.key(seed), 3)
