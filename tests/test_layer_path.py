@@ -205,6 +205,16 @@ def test_post_attention_kernel_lowers_to_one_kernel(shape, rows, splits, last):
     text = lower_for_hopper(run, states, x, weights, scales)
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 1 and "@mosaic_gpu" in calls[0], calls
+    # The model's calls abort on a barrier that gives up (nothing reads their counts); the
+    # probe's `layer` calls count and go on. (The module's bytecode holds the PTX strings.)
+    assert "trap;" in calls[0]
+
+    def probe(states, x, weights, scales):
+        counters = layer_counters()
+        return mosaic.layer(states, x, weights, *scales, counters, parity=1, eps=1e-6, shape=shape)
+
+    text = lower_for_hopper(probe, states, x, tuple(weights), scales)
+    assert "trap;" not in text and "red.relaxed.gpu.global.add.u32" in text
 
 
 @pytest.mark.parametrize(("num_slots", "pages_per_seq"), [(1, 64), (2, 64), (2, 2), (8, 8)])
@@ -318,6 +328,7 @@ def test_norm_qkv_kernel_refuses_what_it_does_not_take():
         ((jnp.concatenate([x] * 5)[:9], wqkv, scale), "at most 8 rows; got 9"),
         ((x, wqkv[:64], scale), r"x \[R, 128\] needs wqkv \[128, qkv\]"),
         ((x, wqkv[:, :448], scale), "whole 128-column tiles"),
+        (_norm_qkv_inputs(14336, 128, 1), "bytes of shared memory a program, over"),
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -349,6 +360,8 @@ def test_post_attention_kernel_refuses_what_it_does_not_take():
         mosaic.post_attention(states, nine, weights, *scales, counters, parity=0, eps=1e-6)
     odd = mosaic.Shape(hidden=192, heads_dim=256, inter=256, qkv=512, head_dim=64)
     assert "whole 128-column tiles" in mosaic.supported(odd, 1, jnp.bfloat16)
+    wide = mosaic.Shape(hidden=12288, heads_dim=6144, inter=33792, qkv=8192)  # x: 192 KB
+    assert "bytes of shared memory a program, over" in mosaic.supported(wide, 1, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("programs", [132, 8, 6])

@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import device_num_sms
 from pallas_kernels.mosaic.add_rms_norm import inverse_rms
-from pallas_kernels.mosaic.common import launch
+from pallas_kernels.mosaic.common import SMEM_LIMIT, launch
 from pallas_kernels.mosaic.merge import merge_values
 from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
 
@@ -69,18 +69,20 @@ def select(values, index):
     return out
 
 
-# Polls before a barrier gives up (about a second under load): a wrong barrier then shows as a
-# count in `counters[2]` instead of a kernel that never ends.
+# Polls before a barrier gives up (each an L2 round trip: a fraction of a second in all): a
+# wrong barrier then shows as a count in `counters[2]` instead of a kernel that never ends.
 MAX_POLLS = 1 << 20
 
 
-def grid_barrier(counters, parity: int, barrier: int, num_programs: int):
+def grid_barrier(counters, parity: int, barrier: int, num_programs: int, *, trap: bool = False):
     """The warpgroups of all `num_programs` programs meet at `counters[parity, barrier]`: one
     thread's release add of 1 at GPU scope, then its acquire poll until the count reaches
     `num_programs`, as `plgpu.semaphore_signal` / `semaphore_wait` do on their own
     semaphores, on a plain int32 ref that outlives the call ([3, barriers]). After
-    `MAX_POLLS` polls the program goes on and adds 1 to `counters[2, barrier]`, which a
-    caller reads to know that the barrier failed."""
+    `MAX_POLLS` polls (a program not resident, or a wrong barrier) the program adds 1 to
+    `counters[2, barrier]`, which a caller reads to know that the barrier failed, and goes
+    on, or with `trap` aborts the kernel (the call fails with a CUDA error, not with wrong
+    numbers: what the model path needs, which reads no counts)."""
     width = counters.shape[1]
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
@@ -116,6 +118,8 @@ def grid_barrier(counters, parity: int, barrier: int, num_programs: int):
                 mgpu_utils.inline_ptx(
                     "red.relaxed.gpu.global.add.u32 [$0], 1;", failed, has_side_effects=True
                 )
+                if trap:
+                    mgpu_utils.inline_ptx("trap;", has_side_effects=True)
             mgpu_utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
         mgpu_utils.warpgroup_barrier()
 
@@ -559,6 +563,7 @@ def layer(
     stages=4,
     prologues=True,
     barriers=True,
+    trap=False,
     profile_dir=None,
     shape=Shape(),
 ):
@@ -583,6 +588,8 @@ def layer(
       kv_lens: i32[S >= R], the decode step's: rows of inactive slots (kv_len 0) skip the
         merge, the norms and SwiGLU (at B=1 the step's second row is padding); their h2 and
         qkv are undefined, their final norm zero. None: every row is live.
+      trap: a grid barrier that gives up aborts the kernel (`grid_barrier`) instead of
+        counting in `counters[2]` and going on.
 
     Returns:
       h2 [R, hidden] (the residual after the MLP) and the next layer's qkv as float32 partial
@@ -621,7 +628,8 @@ def layer(
     heads = shape.heads_dim // shape.head_dim
     f32 = jnp.float32
     width = 0 if qkv_only else shape.inter // ps[2].parts
-    x_cols = shape.hidden if qkv_only else max(shape.heads_dim, shape.hidden, width)
+    x_cols = _x_cols(shape, ps, qkv_only)
+    assert _smem_bytes(x_cols, stages if direct else 0) <= SMEM_LIMIT
     weights = w if direct else (w,)
 
     def body(*refs):
@@ -751,7 +759,7 @@ def layer(
                         with jax.named_scope(f"barrier{b}"):
                             plgpu.wait_smem_to_gmem(0)
                             proxy_fence()
-                            grid_barrier(counters_ref, parity, b, num_programs)
+                            grid_barrier(counters_ref, parity, b, num_programs, trap=trap)
                             proxy_fence()
                     with jax.named_scope(f"prologue{b + 1}"):
                         prologue(b + 1)
@@ -874,7 +882,7 @@ def layer(
             if last:  # every down product stored; program 0 takes h2 and the final norm
                 plgpu.wait_smem_to_gmem(0)
                 proxy_fence()
-                grid_barrier(counters_ref, parity, len(ps) - 1, num_programs)
+                grid_barrier(counters_ref, parity, len(ps) - 1, num_programs, trap=trap)
 
                 @pl.when(program == 0)
                 def _():
@@ -952,6 +960,25 @@ def layer(
     return outs[0] if qkv_only else tuple(outs[:2])
 
 
+def _x_cols(shape: Shape, ps: tuple[Phase, ...], qkv_only: bool) -> int:
+    """Columns of a phase's x in shared memory: o's K, the hidden size, down's part of act."""
+    if qkv_only:
+        return shape.hidden
+    return max(shape.heads_dim, shape.hidden, shape.inter // ps[2].parts)
+
+
+def _smem_bytes(x_cols: int, stages: int) -> int:
+    """A program's shared memory: x (bfloat16, 8 rows), a product's store tile, the norms'
+    warp sums, the weight stages (direct) and the barriers."""
+    return (
+        ROWS * x_cols * 2
+        + ROWS * TILE_N * 4
+        + 16
+        + stages * TILE_K * TILE_N * 2
+        + 8 * (1 + 2 * stages)
+    )
+
+
 def model_shape(wo, w_gate_up, wd, wqkv, head_dim: int) -> Shape:
     """The `Shape` of a layer's matrices as `post_attention` takes them (wqkv None: the last
     layer)."""
@@ -964,7 +991,7 @@ def model_shape(wo, w_gate_up, wd, wqkv, head_dim: int) -> Shape:
     )
 
 
-def supported(shape: Shape, rows: int, dtype) -> str | None:
+def supported(shape: Shape, rows: int, dtype, stages: int = 4) -> str | None:
     """Why `post_attention` cannot take a step of `rows` rows of this shape and dtype on this
     GPU, or None where it can: bfloat16 (the per-thread code's), at most `ROWS` rows, every
     dimension whole tiles, one warpgroup's merge per part of o's K and a schedule whose
@@ -986,6 +1013,9 @@ def supported(shape: Shape, rows: int, dtype) -> str | None:
         return str(e)
     if num_programs % ps[2].parts:
         return f"down's {ps[2].parts} parts must divide the {num_programs} programs"
+    smem = _smem_bytes(_x_cols(shape, ps, False), stages)
+    if smem > SMEM_LIMIT:
+        return f"{smem} bytes of shared memory a program, over {SMEM_LIMIT}"
     return None
 
 
@@ -1003,7 +1033,9 @@ def post_attention(
     stages: int = 4,
 ):
     """A decoder layer after its attention, and the next layer's norm and qkv, in one kernel
-    (`layer` with the model's own matrices).
+    (`layer` with the model's own matrices). A grid barrier that gives up (a program not
+    resident: another kernel holding SMs, a GPU shared by SM limits) aborts the kernel, so
+    the call fails with a CUDA error rather than returning wrong numbers.
 
     Args:
       attn: the decode kernel's unmerged states (out, lse) for S >= R sequence slots
@@ -1026,7 +1058,7 @@ def post_attention(
     """
     wqkv = weights[3] if len(weights) == 4 else None
     shape = model_shape(*weights[:3], wqkv, attn[0].shape[-1])
-    why = supported(shape, x.shape[0], x.dtype)
+    why = supported(shape, x.shape[0], x.dtype, stages)
     if why is not None:
         raise ValueError(f"post_attention does not take this layer: {why}")
     return layer(
@@ -1040,6 +1072,7 @@ def post_attention(
         eps=eps,
         kv_lens=kv_lens,
         stages=stages,
+        trap=True,
         shape=shape,
     )
 
@@ -1070,6 +1103,8 @@ def norm_qkv(x, wqkv, scale, *, eps: float, kv_lens=None, stages: int = 4):
         why = f"x [R, {hidden}] needs wqkv [{hidden}, qkv] and scale [{hidden}]"
     elif hidden % TILE_K or wqkv.shape[1] % TILE_K:
         why = f"dimensions in whole {TILE_K}-column tiles; got wqkv {wqkv.shape}"
+    elif (smem := _smem_bytes(hidden, stages)) > SMEM_LIMIT:
+        why = f"{smem} bytes of shared memory a program, over {SMEM_LIMIT}"
     if why is not None:
         raise ValueError(f"norm_qkv does not take this layer: {why}")
     return layer(
