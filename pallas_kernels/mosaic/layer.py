@@ -578,7 +578,8 @@ def layer(
       w: the model's own matrices ("direct": wo [Hq*D, hidden], the fused gate/up [hidden,
         2 I] in `models.decoder.fuse_gate_up`'s columns, wd [I, hidden] and the next layer's
         wqkv [hidden, qkv]), read where they lie by a copy warpgroup beside the compute
-        warpgroup; the last layer passes (wo, gate/up, wd). Or one array from
+        warpgroup; the last layer passes (wo, gate/up, wd); `norm_qkv` (wqkv,) alone, with
+        attn, scale_mlp and counters None: x's norm (scale_next) and qkv. Or one array from
         `probes.layer_kernel.arrange`, streamed by `emit_pipeline` in one warpgroup.
       scale_mlp, scale_next: the post-attention norm's scale [hidden], and the next layer's
         input norm's (the last layer: the final norm's).
@@ -593,7 +594,8 @@ def layer(
 
     Returns:
       h2 [R, hidden] (the residual after the MLP) and the next layer's qkv as float32 partial
-      sums [parts, R, qkv]; the last layer h2 and its final norm [R, hidden].
+      sums [parts, R, qkv]; the last layer h2 and its final norm [R, hidden]; `norm_qkv`'s
+      form the qkv partial sums alone.
 
     Diagnostics: without `prologues` the programs skip the merge, the norms and SwiGLU, and
     without `barriers` the grid barriers too (wrong numbers both, what they cost);
@@ -616,11 +618,9 @@ def layer(
     ps = sched.phases
     # x's shared memory holds one part of the intermediate dimension in the down phase: a
     # program's down units share it (`choose_parts`; at `1b` one unit a program).
-    if qkv_only:
-        pass
-    elif direct:
+    if direct and not qkv_only:
         assert num_programs % ps[2].parts == 0
-    else:
+    elif not direct:
         assert ps[2].units <= num_programs and min(p.units for p in ps) >= num_programs - 4
     if not qkv_only:  # o's merge: one warpgroup a part
         assert shape.heads_dim // ps[0].parts <= THREADS * RUN
