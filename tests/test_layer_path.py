@@ -499,19 +499,25 @@ def test_layer_kernel_decoder_matches_the_step_on_the_gpu(num_slots):
 
 
 @pytest.mark.gpu
-def test_engine_with_the_layer_kernel_gives_the_induction_tokens():
+@pytest.mark.parametrize(("max_seqs", "min_rows"), [(4, 2), (1, 1)])
+def test_engine_with_the_layer_kernel_gives_the_induction_tokens(monkeypatch, max_seqs, min_rows):
     """The induction decoder (confident bfloat16 predictions, `tests/induction.py`) through the
-    engine's decode blocks: the kernel path's greedy tokens equal the step's own path's."""
-    config = EngineConfig(page_size=PAGE, num_pages=64, max_seqs=4, max_model_len=256)
+    engine's decode blocks: the kernel path's greedy tokens equal the step's own path's; also
+    at B=1 in one sequence slot (`MIN_DECODE_ROWS` 1: the layer kernel's R = 1)."""
+    from models import engine as engine_module  # noqa: PLC0415
+
+    monkeypatch.setattr(engine_module, "MIN_DECODE_ROWS", min_rows)
+    config = EngineConfig(page_size=PAGE, num_pages=64, max_seqs=max_seqs, max_model_len=256)
     tiny = CONFIGS["tiny"].with_dtype(jnp.bfloat16)
     prompts = [induction_prompt(n, 12, s, tiny.vocab_size) for s, n in enumerate((40, 61, 90))]
     runs = []
     for layer_kernel in (False, True):
         model = induction_decoder(tiny)
         model.layer_kernel = layer_kernel
-        _, pages, meta = _decode_step(tiny, config.max_seqs, 3)
+        _, pages, meta = _decode_step(tiny, config.max_seqs, min(3, config.max_seqs))
         assert model.runs_layer_kernel(config.max_seqs, pages, meta, "mosaic") == layer_kernel
         engine = Engine(model, config, implementation="mosaic")
+        assert engine.decode_rows == max(min_rows, max_seqs)
         runs.append(engine.generate(prompts, SamplingParams(24)))
         assert engine.stats.decode_tokens > 0
     for want, got in zip(*runs, strict=True):
