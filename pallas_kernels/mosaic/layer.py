@@ -656,6 +656,25 @@ def layer(
                 return lambda fn: fn()
             return pl.when(lens_ref[r] > 0)
 
+        def norm_rows(parts, resid, scale, sum_out, out, write_sum, smem=True):
+            """`_row_norm` of each live row: h = resid (+ parts), its norm into `out`."""
+            for r in range(rows):
+                when_live(r)(
+                    functools.partial(
+                        _row_norm,
+                        parts,
+                        resid,
+                        scale,
+                        sum_out,
+                        out,
+                        warp_sums,
+                        jnp.int32(r),
+                        eps=eps,
+                        write_sum=write_sum,
+                        smem=smem,
+                    )
+                )
+
         def prologue(j):
             """What a program does after barrier j - 1, before phase j's first product."""
             if not prologues:
@@ -664,21 +683,7 @@ def layer(
                 scale = s_mlp_ref if j == 1 else s_next_ref
                 parts, resid = (o_ref, x_ref) if j == 1 else (d_ref, h_ref)
                 out = h_ref if j == 1 else h2_ref
-                for r in range(rows):
-                    when_live(r)(
-                        functools.partial(
-                            _row_norm,
-                            parts,
-                            resid,
-                            scale,
-                            out,
-                            x_smem,
-                            warp_sums,
-                            jnp.int32(r),
-                            eps=eps,
-                            write_sum=(program == 0).astype(jnp.int32),
-                        )
-                    )
+                norm_rows(parts, resid, scale, out, x_smem, (program == 0).astype(jnp.int32))
             else:
                 first, n = info[2]
 
@@ -715,21 +720,7 @@ def layer(
                     @pl.when(n > 0)
                     @jax.named_scope("prologue0")
                     def _():
-                        for r in range(rows):
-                            when_live(r)(
-                                functools.partial(
-                                    _row_norm,
-                                    None,
-                                    x_ref,
-                                    s_next_ref,
-                                    None,
-                                    x_smem,
-                                    warp_sums,
-                                    jnp.int32(r),
-                                    eps=eps,
-                                    write_sum=jnp.int32(0),
-                                )
-                            )
+                        norm_rows(None, x_ref, s_next_ref, None, x_smem, jnp.int32(0))
                         plgpu.commit_smem()
 
                 if states and prologues:
@@ -886,26 +877,12 @@ def layer(
 
                 @pl.when(program == 0)
                 def _():
-                    for r in range(rows):
-                        when_live(r)(
-                            functools.partial(
-                                _row_norm,
-                                d_ref,
-                                h_ref,
-                                s_next_ref,
-                                h2_ref,
-                                qkv_ref,
-                                warp_sums,
-                                jnp.int32(r),
-                                eps=eps,
-                                write_sum=jnp.int32(1),
-                                smem=False,
-                            )
+                    norm_rows(d_ref, h_ref, s_next_ref, h2_ref, qkv_ref, jnp.int32(1), smem=False)
+                    for r in range(rows if lens_ref is not None else 0):
+                        # an inactive slot's final norm: zeros
+                        pl.when(lens_ref[r] <= 0)(
+                            functools.partial(_row_zero, qkv_ref, jnp.int32(r))
                         )
-                        if lens_ref is not None:  # an inactive slot's final norm: zeros
-                            pl.when(lens_ref[r] <= 0)(
-                                functools.partial(_row_zero, qkv_ref, jnp.int32(r))
-                            )
 
             plgpu.wait_smem_to_gmem(0)
 
