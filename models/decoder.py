@@ -148,17 +148,16 @@ def norm_qkv(
     Mosaic GPU kernel (`pallas_kernels.mosaic.layer.norm_qkv`: XLA's dot would take a single
     row as multiply + reduce) unless `implementation` is "xla" (the step's own norm and
     split-K dot). Rows of inactive slots (`kv_lens` 0) are undefined."""
-    attn = layer.attn
-    shape = (attn.num_kv_heads, attn.num_q_heads // attn.num_kv_heads + 2, attn.head_dim)
+    attn, norm = layer.attn, layer.input_norm
     if implementation == "xla":
-        return attn._qkv(layer.input_norm(x), partial=True)
+        return attn._qkv(norm(x), partial=True)
     from pallas_kernels.mosaic import layer as mosaic  # noqa: PLC0415
 
-    norm = layer.input_norm
     qkv = mosaic.norm_qkv(
         x, attn.qkv_proj.kernel[...], norm.scale[...], eps=norm.epsilon, kv_lens=kv_lens
     )
-    return qkv.reshape(*qkv.shape[:2], *shape)
+    group = attn.num_q_heads // attn.num_kv_heads
+    return qkv.reshape(*qkv.shape[:2], attn.num_kv_heads, group + 2, attn.head_dim)
 
 
 def post_attention(
