@@ -559,11 +559,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             record(_prefill_case(engine, prompts, "batch_prefill", chunk, args))
 
     copy_tb_s = _copy_bandwidth() if jax.default_backend() == "gpu" else None
-    small = args.decode_variants and LAYER_KERNEL_MAX_ROWS
+    variants = args.decode_variants or [None]
     runs = [
         (batch, variant)
         for batch in args.batches
-        for variant in (args.decode_variants if small and batch <= small else [None])
+        for variant in (variants if batch <= LAYER_KERNEL_MAX_ROWS else [None])
     ]
     baselines = {}
     for batch, variant in runs:
