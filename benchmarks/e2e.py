@@ -34,9 +34,10 @@ kernels is launch gaps and host work. (The first CUPTI capture of a process has 
 miss most kernels, so one is run and thrown away first: see `benchmarks/NOTES.md`.)
 
 `--decode-variants plain layer layer-1slot` runs each decode batch of at most 8 rows once per
-variant, beside the same anchors: the step's own XLA layers, the layer kernel path
-(`Decoder(layer_kernel=True)`), and that path with one sequence slot at B=1
-(`models.engine.MIN_DECODE_ROWS` 1; the step's only dot left to XLA is then the logits).
+variant, beside the same anchors: the step's own XLA layers (`--no-layer-kernel`), the layer
+kernel path (`Decoder(layer_kernel=True)`) in at least two sequence slots, and that path with
+one slot at B=1 (`models.engine.LAYER_PATH_MIN_DECODE_ROWS`, the engine's default: the step's
+only dot left to XLA is then the logits).
 
 `--model PATH` runs a Hugging Face checkpoint (`models.checkpoint.load_pretrained`) instead of
 a built-in config, and the HF anchor then loads the same folder.
@@ -66,10 +67,11 @@ from models.decoder import LAYER_KERNEL_MAX_ROWS, Decoder
 from models.engine import Engine, Stats, compiler_options, step_xla_options
 from models.scheduler import SamplingParams
 
-# `--decode-variants`: name -> (`Decoder.layer_kernel`, `models.engine.MIN_DECODE_ROWS`; None:
-# the engine's own).
-DECODE_VARIANTS = {"plain": (False, None), "layer": (True, None), "layer-1slot": (True, 1)}
+# `--decode-variants`: name -> (`Decoder.layer_kernel`, the fewest slots of a decode step
+# through the layer path, `models.engine.LAYER_PATH_MIN_DECODE_ROWS`).
+DECODE_VARIANTS = {"plain": (False, None), "layer": (True, 2), "layer-1slot": (True, 1)}
 DEFAULT_MIN_DECODE_ROWS = engine_module.MIN_DECODE_ROWS
+DEFAULT_LAYER_PATH_ROWS = engine_module.LAYER_PATH_MIN_DECODE_ROWS
 
 
 def _engine(
@@ -421,8 +423,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--profile", action="store_true", help="CUPTI GPU time per step")
     parser.add_argument(
         "--layer-kernel",
-        action="store_true",
-        help="decode steps of at most 8 rows run `Decoder(layer_kernel=True)`'s path",
+        action="store_const",
+        const=True,
+        default=None,
+        help="decode steps of at most 8 rows run `Decoder(layer_kernel=True)`'s path (the "
+        "default: where its kernels run)",
+    )
+    parser.add_argument(
+        "--no-layer-kernel",
+        dest="layer_kernel",
+        action="store_const",
+        const=False,
+        help="decode steps run the step's own XLA layers",
     )
     parser.add_argument(
         "--min-decode-rows",
@@ -509,7 +521,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.no_baseline = True
     else:
         model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
-    model.layer_kernel = args.layer_kernel
+    model_layer_kernel = model.layer_kernel if args.layer_kernel is None else args.layer_kernel
+    model.layer_kernel = model_layer_kernel
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     extra = tuple(_xla_option(text) for text in args.xla_option)
@@ -570,11 +583,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         prompts = np.random.default_rng([batch, args.ctx]).integers(0, vocab, (batch, args.ctx))
         steps, budget = args.new_tokens - 1, max(2048, args.ctx)  # the first token: prefill's
         max_len = args.ctx + _decode_budget(batch, args.ctx, steps, budget) + 1
-        layer_kernel, min_rows = DECODE_VARIANTS.get(
-            variant, (args.layer_kernel, args.min_decode_rows)
-        )
+        layer_kernel, path_rows = DECODE_VARIANTS.get(variant, (model_layer_kernel, None))
         model.layer_kernel = layer_kernel
-        engine_module.MIN_DECODE_ROWS = min_rows or DEFAULT_MIN_DECODE_ROWS
+        engine_module.LAYER_PATH_MIN_DECODE_ROWS = path_rows or DEFAULT_LAYER_PATH_ROWS
         engine = make(max_seqs=batch, budget=budget, max_len=max_len)
         # Compile, and warm up on other prompts of the same length, so that the warm-up runs
         # what the window runs. (Until the engine compiled its pool updates when built, the
@@ -585,7 +596,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             kind="decode", batch=batch, ctx=args.ctx, decode_steps=engine.config.decode_steps
         )
         if variant is not None:
-            case.update(variant=variant, decode_rows=engine.decode_rows)
+            case["variant"] = variant
+        case.update(layer_kernel=layer_kernel, decode_rows=engine.decode_rows)
         case.update(_decode_part(engine, prompts.tolist(), steps))
         case["block_ms"] = case["wall_ms_per_step"] * engine.config.decode_steps
         if args.profile:
@@ -613,12 +625,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     model, prompts, args.ctx + args.new_tokens + 1, args.new_tokens
                 )
             case["baseline_tokens_per_s"] = baselines[batch]
-        if layer_kernel:
-            case["layer_kernel"] = True
-        if min_rows is not None:
-            case["min_decode_rows"] = min_rows
+        if args.min_decode_rows is not None:
+            case["min_decode_rows"] = args.min_decode_rows
         record(case)
-    model.layer_kernel = args.layer_kernel
+    model.layer_kernel = model_layer_kernel
+    engine_module.LAYER_PATH_MIN_DECODE_ROWS = DEFAULT_LAYER_PATH_ROWS
     engine_module.MIN_DECODE_ROWS = DEFAULT_MIN_DECODE_ROWS
 
     implementation = {
@@ -633,8 +644,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             + "".join(f", {name}={value} (decode)" for name, value in decode_extra),
             implementation=implementation["ragged" if case["kind"] == "prefill" else "decode"],
         )
-        if case["kind"] != "decode" and args.layer_kernel:
-            case["layer_kernel"] = True
+        if case["kind"] != "decode":
+            case["layer_kernel"] = model_layer_kernel
     if args.out:
         write_results(args.out, "e2e", cases)
     return cases

@@ -246,12 +246,11 @@ class Decoder(nnx.Module):
     vocabulary (so a step can project only the rows it samples from).
 
     `layer_kernel`: decode steps of at most 8 rows run each layer's work after attention as
-    one kernel (`post_attention`) where it applies (`runs_layer_kernel`): None where the
-    kernels run (Hopper), True also as the same structure in XLA under `implementation="xla"`
-    (the path's reference, for tests), False never. Not yet measured on the GPU: off by
-    default."""
+    one kernel (`post_attention`) where it applies (`runs_layer_kernel`): None (the default)
+    where the kernels run (Hopper), True also as the same structure in XLA under
+    `implementation="xla"` (the path's reference, for tests), False never."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_kernel: bool | None = False):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_kernel: bool | None = None):
         self.config = config
         self.layer_kernel = layer_kernel
         self.embed = nnx.Embed(

@@ -188,9 +188,10 @@ def test_e2e_decode_variants_run_beside_the_same_anchors():
         (4, "layer-1slot"),
     ]
     assert [c["decode_rows"] for c in cases] == [2, 1, 4, 4]
-    assert "layer_kernel" not in cases[0] and cases[1]["layer_kernel"] is True
+    assert [c["layer_kernel"] for c in cases] == [False, True, False, True]
     assert cases[0]["baseline_tokens_per_s"] == cases[1]["baseline_tokens_per_s"]
     assert engine.MIN_DECODE_ROWS == e2e.DEFAULT_MIN_DECODE_ROWS
+    assert engine.LAYER_PATH_MIN_DECODE_ROWS == e2e.DEFAULT_LAYER_PATH_ROWS
     table = "\n".join(summary.e2e_table(results.Results("e2e", Path("e.json"), {}, cases)))
     assert "decode B=1 ctx 40, XLA layers" in table
     assert "decode B=1 ctx 40, layer kernel, one slot" in table

@@ -136,16 +136,20 @@ def test_layer_path_only_where_it_applies():
         model.layers[0].attn.attend_states(qkv, *pages[0], prefill, implementation="xla")
 
 
-def test_engine_with_the_layer_path_gives_the_steps_tokens():
+@pytest.mark.parametrize("max_seqs", [2, 1])
+def test_engine_with_the_layer_path_gives_the_steps_tokens(max_seqs):
     """Greedy and sampled tokens through the engine's decode blocks, the layer path against
-    the step's own, float32 (the chosen tokens' log-probabilities within 1e-4)."""
-    config = EngineConfig(page_size=PAGE, num_pages=32, max_seqs=2, max_model_len=128)
+    the step's own, float32 (the chosen tokens' log-probabilities within 1e-4); at B=1 the
+    layer path's blocks run one sequence slot (`LAYER_PATH_MIN_DECODE_ROWS`), the step's own
+    two."""
+    config = EngineConfig(page_size=PAGE, num_pages=32, max_seqs=max_seqs, max_model_len=128)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 512, n).tolist() for n in (5, 23, 40)]
     params = [SamplingParams(12), SamplingParams(9, 0.8, seed=7), SamplingParams(15)]
     runs = []
     for layer_kernel in (False, True):
         engine = Engine(_model(jnp.float32, layer_kernel), config, implementation="xla")
+        assert engine.decode_rows == (1 if layer_kernel and max_seqs == 1 else 2)
         runs.append(engine.generate(prompts, params))
     for want, got in zip(*runs, strict=True):
         assert got.output == want.output
@@ -267,7 +271,7 @@ def test_decode_block_through_the_layer_path_lowers_for_hopper(monkeypatch, min_
     from models import engine as engine_module  # noqa: PLC0415
 
     layers = 3
-    monkeypatch.setattr(engine_module, "MIN_DECODE_ROWS", min_rows)
+    monkeypatch.setattr(engine_module, "LAYER_PATH_MIN_DECODE_ROWS", min_rows)
     config = dataclasses.replace(CONFIGS["1b"], num_layers=layers, vocab_size=512)
     model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True)
     engine_config = EngineConfig(page_size=PAGE, num_pages=64, max_seqs=1, max_model_len=512)
@@ -499,14 +503,11 @@ def test_layer_kernel_decoder_matches_the_step_on_the_gpu(num_slots):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("max_seqs", "min_rows"), [(4, 2), (1, 1)])
-def test_engine_with_the_layer_kernel_gives_the_induction_tokens(monkeypatch, max_seqs, min_rows):
+@pytest.mark.parametrize("max_seqs", [4, 1])
+def test_engine_with_the_layer_kernel_gives_the_induction_tokens(max_seqs):
     """The induction decoder (confident bfloat16 predictions, `tests/induction.py`) through the
     engine's decode blocks: the kernel path's greedy tokens equal the step's own path's; also
-    at B=1 in one sequence slot (`MIN_DECODE_ROWS` 1: the layer kernel's R = 1)."""
-    from models import engine as engine_module  # noqa: PLC0415
-
-    monkeypatch.setattr(engine_module, "MIN_DECODE_ROWS", min_rows)
+    at B=1, where the path runs one sequence slot (the layer kernel's R = 1)."""
     config = EngineConfig(page_size=PAGE, num_pages=64, max_seqs=max_seqs, max_model_len=256)
     tiny = CONFIGS["tiny"].with_dtype(jnp.bfloat16)
     prompts = [induction_prompt(n, 12, s, tiny.vocab_size) for s, n in enumerate((40, 61, 90))]
@@ -517,7 +518,7 @@ def test_engine_with_the_layer_kernel_gives_the_induction_tokens(monkeypatch, ma
         _, pages, meta = _decode_step(tiny, config.max_seqs, min(3, config.max_seqs))
         assert model.runs_layer_kernel(config.max_seqs, pages, meta, "mosaic") == layer_kernel
         engine = Engine(model, config, implementation="mosaic")
-        assert engine.decode_rows == max(min_rows, max_seqs)
+        assert engine.decode_rows == (1 if layer_kernel and max_seqs == 1 else max(2, max_seqs))
         runs.append(engine.generate(prompts, SamplingParams(24)))
         assert engine.stats.decode_tokens > 0
     for want, got in zip(*runs, strict=True):
