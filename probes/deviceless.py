@@ -12,7 +12,7 @@ The plugin, without the NVIDIA libraries (~1 GB in all, not a dependency of the 
 
     pip install -c constraints.txt jax jaxlib flax numpy safetensors tokenizers
     pip install -c constraints.txt --no-deps jax-cuda13-plugin jax-cuda13-pjrt
-    JAX_PLATFORMS=cpu python -m probes.deviceless --batch 1 [--min-decode-rows N] [--dump F]
+    JAX_PLATFORMS=cpu python -m probes.deviceless --batch 1 [--no-layer-kernel] [--dump F]
 
 It lists the kernels of one decode step of the engine's block (the `while` body and its
 condition), then counts them by kind.
@@ -195,18 +195,25 @@ def kernels(text: str, matrix_elements: int = 2048 * 2048) -> list[Kernel]:
     return found
 
 
-def decode_block_hlo(batch: int, *, layers: int, min_decode_rows: int | None) -> tuple[str, int]:
+def decode_block_hlo(
+    batch: int, *, layers: int, layer_kernel: bool | None, min_decode_rows: int | None
+) -> tuple[str, int]:
     """The engine's greedy decode block for `1b` with `layers` layers at `batch` sequences,
-    compiled for an H200: its HLO text and the decode step's rows (slots)."""
+    compiled for an H200: its HLO text and the decode step's rows (slots). `layer_kernel`:
+    `Decoder(layer_kernel=...)`; `min_decode_rows`: default the engine's choice on an H200."""
     config = dataclasses.replace(CONFIGS["1b"], num_layers=layers)
+    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=layer_kernel)
     saved = engine_module.MIN_DECODE_ROWS
-    if min_decode_rows is not None:
-        engine_module.MIN_DECODE_ROWS = min_decode_rows
     try:
-        model = Decoder(config, rngs=nnx.Rngs(0))
         engine_config = roomy_engine_config(
             page_size=16, budget=2048, max_seqs=batch, max_len=4096, mixed_step_tokens=()
         )
+        if min_decode_rows is None:  # what the engine picks on an H200, for Mosaic GPU
+            with as_if_on_hopper():
+                min_decode_rows = engine_module._fewest_decode_rows(
+                    model, engine_config, "mosaic", None
+                )
+        engine_module.MIN_DECODE_ROWS = min_decode_rows
         # Built with the XLA implementation (nothing of it runs here); traced for Mosaic GPU.
         engine = Engine(model, engine_config, implementation="xla")
     finally:
@@ -228,6 +235,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=CONFIGS["1b"].num_layers)
+    parser.add_argument(
+        "--layer-kernel", action=argparse.BooleanOptionalAction, default=None,
+        help="Decoder(layer_kernel=...); default the model's (None)",
+    )  # fmt: skip
     parser.add_argument("--min-decode-rows", type=int, default=None)
     parser.add_argument("--dump", type=Path, help="write the optimized HLO here")
     parser.add_argument("--json", action="store_true", help="the counts as one JSON line")
@@ -235,6 +246,7 @@ def main():
     text, rows = decode_block_hlo(
         args.batch,
         layers=args.layers,
+        layer_kernel=args.layer_kernel,
         min_decode_rows=args.min_decode_rows,
     )
     if args.dump:
