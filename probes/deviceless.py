@@ -218,17 +218,19 @@ def decode_block_hlo(
         engine = Engine(model, engine_config, implementation="xla")
     finally:
         engine_module.MIN_DECODE_ROWS = saved
-    text = compile_for_hopper(
-        engine._block_fns[False],
-        engine.param_leaves,
-        engine.kv_pages,
-        engine.pool,
-        engine._block_inputs([]),
-        num_steps=engine_config.decode_steps,
-        implementation="mosaic",
-        sampling_case=0,
+    fn, args, static = greedy_decode_block(engine)
+    return compile_for_hopper(fn, *args, **static), engine.decode_rows
+
+
+def greedy_decode_block(engine: Engine, implementation: str = "mosaic"):
+    """The engine's jitted decode block with no rows, as `(fn, args, static)` for
+    `fn.trace(*args, **static)`: its greedy form (`sampling_case` 0) over the engine's own
+    parameters, pages and pool."""
+    args = (engine.param_leaves, engine.kv_pages, engine.pool, engine._block_inputs([]))
+    static = dict(
+        num_steps=engine.config.decode_steps, implementation=implementation, sampling_case=0
     )
-    return text, engine.decode_rows
+    return engine._block_fns[False], args, static
 
 
 def main():

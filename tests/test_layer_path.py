@@ -23,6 +23,7 @@ from models.engine import Engine
 from models.scheduler import SamplingParams
 from pallas_kernels.common import poison_outputs
 from pallas_kernels.mosaic import layer as mosaic
+from probes.deviceless import greedy_decode_block
 from tests.helpers import lower_for_hopper
 from tests.induction import induction_decoder, induction_prompt
 
@@ -279,16 +280,8 @@ def test_decode_block_through_the_layer_path_lowers_for_hopper(monkeypatch, min_
     assert engine.decode_rows == min_rows
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(dispatch, "default_device", lambda: dispatch.Device("gpu", "9.0", 132))
-    traced = engine._block_fns[False].trace(
-        engine.param_leaves,
-        engine.kv_pages,
-        engine.pool,
-        engine._block_inputs([]),
-        num_steps=engine_config.decode_steps,
-        implementation="mosaic",
-        sampling_case=0,
-    )
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    fn, args, static = greedy_decode_block(engine)
+    text = fn.trace(*args, **static).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert all("@mosaic_gpu" in line for line in calls), calls
     assert sum("layer_kernel" in line for line in calls) == layers, calls
