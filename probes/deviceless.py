@@ -103,12 +103,12 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
-def _instruction(line: str) -> tuple[str, str, str]:
-    """(name, opcode, the text after the shape) of one HLO instruction line."""
-    name, rest = re.match(r"\s*(?:ROOT )?%(\S+) = (.*)$", line).groups()
-    rest = _after_shape(rest)
+def _instruction(line: str) -> tuple[str, str, str, str]:
+    """(name, shape, opcode, the text after the shape) of one HLO instruction line."""
+    name, text = re.match(r"\s*(?:ROOT )?%(\S+) = (.*)$", line).groups()
+    rest = _after_shape(text)
     opcode = re.match(r"\s*([\w-]+)\(", rest)
-    return name, opcode.group(1) if opcode else "?", rest
+    return name, text[: len(text) - len(rest)].strip(), opcode.group(1) if opcode else "?", rest
 
 
 def _after_shape(text: str) -> str:
@@ -145,9 +145,8 @@ def _rewrites_a_dot(lines: list[str], matrix_elements: int) -> bool:
     more: work on a weight matrix that only a dot should do."""
     sizes = {}
     for line in lines:
-        name, opcode, rest = _instruction(line)
-        shape = re.match(r"\s*(?:ROOT )?%\S+ = (\S+)", line).group(1)
-        sizes[name] = _elements(shape) if not shape.startswith("(") else 0
+        name, shape, opcode, rest = _instruction(line)
+        sizes[name] = 0 if shape.startswith("(") else _elements(shape)
         if opcode in ("multiply", "transpose") and sizes[name] >= matrix_elements:
             return True
         if opcode == "reduce":
@@ -165,7 +164,7 @@ def kernels(text: str, matrix_elements: int = 2048 * 2048) -> list[Kernel]:
 
     def walk(computation: str, where: str):
         for line in computations[computation]:
-            name, opcode, rest = _instruction(line)
+            name, _, opcode, rest = _instruction(line)
             if opcode == "while":  # a loop inside the block's loop counts as its body's
                 for part in ("condition", "body"):
                     callee = re.search(part + r"=%([^\s,]+)", rest).group(1)
