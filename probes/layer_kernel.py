@@ -56,7 +56,7 @@ from pallas_kernels.mosaic.layer import (
     layer,
     phases,
 )
-from probes.layer_stream import GRAPH_OPTIONS, barrier_trace
+from probes.layer_stream import GRAPH_OPTIONS, barrier_trace, lateness, program_spans
 
 LAYERS = 16
 EPS = 1e-6
@@ -253,24 +253,30 @@ def xla_layers(x, state, real_rows=ROWS):
     return x
 
 
-def traced(profile_dir, real, x, state):
-    """One profiled call of the 16 chained layers: per named region, the medians over the
-    layers of `barrier_trace`'s figures."""
-    directory = os.path.join(profile_dir, f"rows{real}")
+def traced(profile_dir, real, x, state, case="kernel"):
+    """One profiled call of the 16 chained layers (`case` "kernel" or "kernel_bare"): per
+    named region, the medians over the layers of `barrier_trace`'s figures, and each
+    barrier's `lateness`."""
+    directory = os.path.join(profile_dir, f"rows{real}_{case}")
     os.makedirs(directory, exist_ok=True)
-    summary = dict(case="trace", rows=real)
+    summary = dict(case="trace", traced=case, rows=real)
     try:
-        fn = jax.jit(functools.partial(kernel_layers, profile_dir=directory))
+        kw = dict(profile_dir=directory, prologues=case == "kernel")
+        fn = jax.jit(functools.partial(kernel_layers, **kw))
         jax.block_until_ready(fn(x[:real], state))
-        reports = [
-            barrier_trace(path)
-            for path in sorted(glob.glob(os.path.join(directory, "*.json")))[-LAYERS:]
-        ]
+        paths = sorted(glob.glob(os.path.join(directory, "*.json")))[-LAYERS:]
+        reports = [barrier_trace(path) for path in paths]
         for name in reports[0]:
             for key in reports[0][name]:
                 values = sorted(r[name][key] for r in reports if r[name][key] is not None)
                 if values:
                     summary[f"{name}.{key}"] = values[len(values) // 2]
+        spans = [program_spans(path) for path in paths]
+        summary["lateness"] = lateness(spans, ["barrier0", "barrier1", "barrier2", "kernel"])
+        ends = [[s[2] for s in report["kernel"] if s[2] is not None] for report in spans]
+        summary["kernel_end_p50_p90_max_us"] = [
+            round(float(np.median([np.percentile(e, q) for e in ends])), 3) for q in (50, 90, 100)
+        ]
     except Exception as e:  # noqa: BLE001 - a probe records and goes on
         summary["error"] = error_text(e)
     print(json.dumps(summary), flush=True)
@@ -356,6 +362,13 @@ def main():
         help="rows past this many are inactive slots (kv_len 0), which the kernel skips",
     )
     parser.add_argument("--profile-dir", help="also trace one call of the kernel per case")
+    parser.add_argument(
+        "--trace-cases",
+        nargs="+",
+        default=["kernel"],
+        choices=["kernel", "kernel_bare"],
+        help="what `--profile-dir` traces",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     shape = Shape()
@@ -470,8 +483,9 @@ def main():
             print(json.dumps(case), flush=True)
             cases.append(case)
         if args.profile_dir:
-            trace = traced(args.profile_dir, real, x, (attn_in, arranged, scales))
-            cases.append(dict(trace, weights=weights, splits=splits))
+            for case in args.trace_cases:
+                trace = traced(args.profile_dir, real, x, (attn_in, arranged, scales), case)
+                cases.append(dict(trace, weights=weights, splits=splits))
     if args.simulate:
         cases += check_schedules()
     if args.out:

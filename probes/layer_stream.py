@@ -49,6 +49,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import memref
@@ -537,6 +538,62 @@ def barrier_trace(path, sm_ghz=1.98):
     return report
 
 
+def program_spans(path, sm_ghz=1.98):
+    """Per named region of one profiled call: each program's first (SM, begin, end) in us from
+    the call's first event (`barrier_trace`'s clock)."""
+    with open(path) as f:
+        events = sorted(json.load(f)["traceEvents"], key=lambda e: e["ts"])
+    start, spans = {}, {}
+    for e in events:
+        start.setdefault(e["tid"], e["ts"])
+    origin = min(start.values())
+    for e in events:
+        t0 = start[e["tid"]]
+        real = t0 + (e["ts"] - t0) / sm_ghz - origin
+        span = spans.setdefault(e["name"], {}).setdefault(e["tid"], [e["pid"] - 1, None, None])
+        if e["ph"] == "B" and span[1] is None:
+            span[1] = real
+        elif e["ph"] == "E" and span[2] is None:
+            span[2] = real
+    return {name: list(by_program.values()) for name, by_program in spans.items()}
+
+
+def lateness(reports, names):
+    """For each region in `names`, over profiled calls (`program_spans`' reports): the
+    arrivals' percentiles after the call's median arrival, the release after the last
+    arrival, and how much of a program's lateness its SM explains (the variance of the SMs'
+    mean lateness over the variance of all; ~1 / calls when the SM does not matter), with the
+    SMs latest on average."""
+    out = {}
+    for name in names:
+        late, release, by_sm = [], [], {}
+        for report in reports:
+            spans = [s for s in report.get(name, []) if s[1] is not None and s[2] is not None]
+            if not spans:
+                continue
+            begins = np.array([s[1] for s in spans])
+            median = float(np.median(begins))
+            release.append(float(np.median([s[2] for s in spans]) - begins.max()))
+            for sm, begin, _ in spans:
+                late.append(begin - median)
+                by_sm.setdefault(sm, []).append(begin - median)
+        if not late:
+            continue
+        late = np.array(late)
+        means = {sm: float(np.mean(v)) for sm, v in by_sm.items()}
+        share = float(np.var(list(means.values())) / max(np.var(late), 1e-12))
+        worst = sorted(means, key=means.get, reverse=True)[:8]
+        out[name] = dict(
+            late_p10_p50_p90_max_us=[
+                round(float(np.percentile(late, q)), 3) for q in (10, 50, 90, 100)
+            ],
+            release_after_last_us=round(float(np.median(release)), 3),
+            sm_share=round(share, 3),
+            latest_sms={int(sm): round(means[sm], 3) for sm in worst},
+        )
+    return out
+
+
 def fused_layers(xs, ws, **kw):
     return [stream(xs, w, phase_cols=PHASE_COLS, **kw) for w in ws]
 
@@ -587,12 +644,17 @@ def traces(profile_dir, case, x, ws):
     layers = fused_layers if case["case"] == "fused" else ws_layers
     jax.block_until_ready(jax.jit(functools.partial(layers, profile_dir=directory, **kw))(x, ws))
     out = []
-    for path in sorted(glob.glob(os.path.join(directory, "*.json")))[-LAYERS:]:
+    paths = sorted(glob.glob(os.path.join(directory, "*.json")))[-LAYERS:]
+    for path in paths:
         trace = dict(case="trace", of=case["case"], rows=case["rows"], **kw)
         trace.update(file=os.path.basename(path), **barrier_trace(path))
         print(json.dumps(trace), flush=True)
         out.append(trace)
-    return out
+    names = [f"barrier{b}" for b in range(len(PHASE_COLS) - 1)] + ["kernel"]
+    late = dict(case="lateness", of=case["case"], rows=case["rows"], **kw)
+    late.update(lateness([program_spans(path) for path in paths], names))
+    print(json.dumps(late), flush=True)
+    return out + [late]
 
 
 def main():
