@@ -17,6 +17,8 @@ time in a graphed loop:
   - `kernel`: the kernel, each layer's h2 the next one's x (the attention held fixed);
   - `kernel_bare`: the same without the merge, norms and SwiGLU (wrong numbers; what they
     cost), and `kernel_free` without the barriers too (the schedule's weight stream alone);
+  - `kernel_nowait`, `kernel_nostore`: `kernel_bare` arriving at a barrier without waiting
+    for the program's stores to complete, and storing nothing (what the stores cost there);
   - `xla`: the same arithmetic in XLA (`reference`, the split merge first).
 Layer 0 is checked against `reference` first, twice, and 16 chained layers against XLA's.
 `--profile-dir` traces one call's barriers and prologues in every program (Mosaic GPU's
@@ -60,6 +62,7 @@ from probes.layer_stream import GRAPH_OPTIONS, barrier_trace, lateness, program_
 
 LAYERS = 16
 EPS = 1e-6
+STORES = dict(kernel_nowait="nowait", kernel_nostore="none")  # `layer`'s `stores`
 ONE_B = Shape()  # the `1b` model's layer
 
 
@@ -471,6 +474,7 @@ def main():
                         stages=stages,
                         prologues=name == "kernel",
                         barriers=name != "kernel_free",
+                        stores=STORES.get(name, "wait"),
                         kv_lens=lens,
                     )
                     fn = jax.jit(functools.partial(kernel_layers, **kw))

@@ -563,6 +563,7 @@ def layer(
     stages=4,
     prologues=True,
     barriers=True,
+    stores="wait",
     trap=False,
     profile_dir=None,
     shape=Shape(),
@@ -598,9 +599,12 @@ def layer(
       form the qkv partial sums alone.
 
     Diagnostics: without `prologues` the programs skip the merge, the norms and SwiGLU, and
-    without `barriers` the grid barriers too (wrong numbers both, what they cost);
+    without `barriers` the grid barriers too (wrong numbers both, what they cost); `stores`
+    "nowait" arrives at a barrier without waiting for the program's stores to complete, and
+    "none" stores no partial sums (wrong numbers, what the stores cost at a barrier);
     `profile_dir` traces each program's "kernel", "barrier{b}" and "prologue{j}" regions
     (Mosaic GPU's in-kernel profiler, `probes.layer_stream.barrier_trace` reads them)."""
+    assert stores in ("wait", "nowait", "none")
     direct = isinstance(w, tuple)
     last = direct and len(w) == 3
     qkv_only = direct and len(w) == 1  # `norm_qkv`
@@ -748,8 +752,9 @@ def layer(
                 def _(b=b):
                     if barriers:
                         with jax.named_scope(f"barrier{b}"):
-                            plgpu.wait_smem_to_gmem(0)
-                            proxy_fence()
+                            if stores == "wait":
+                                plgpu.wait_smem_to_gmem(0)
+                                proxy_fence()
                             grid_barrier(counters_ref, parity, b, num_programs, trap=trap)
                             proxy_fence()
                     with jax.named_scope(f"prologue{b + 1}"):
@@ -770,7 +775,7 @@ def layer(
             )
             ends = live & at["ends"]
 
-            @pl.when(ends)
+            @pl.when(ends & (stores != "none"))
             def _():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 _store_transposed(acc, y_smem)
