@@ -18,7 +18,10 @@ time in a graphed loop:
   - `kernel_bare`: the same without the merge, norms and SwiGLU (wrong numbers; what they
     cost), and `kernel_free` without the barriers too (the schedule's weight stream alone);
   - `kernel_nowait`, `kernel_nostore`: `kernel_bare` arriving at a barrier without waiting
-    for the program's stores to complete, and storing nothing (what the stores cost there);
+    for the program's stores to complete, and storing nothing (what the stores cost);
+  - `kernel_tma`, `kernel_bare_tma`: the partial sums stored through shared memory and TMA,
+    each weight slot freed after the store (before session 49), and `kernel_early_tma` the
+    TMA stores with the slot freed first;
   - `xla`: the same arithmetic in XLA (`reference`, the split merge first).
 Layer 0 is checked against `reference` first, twice, and 16 chained layers against XLA's.
 `--profile-dir` traces one call's barriers and prologues in every program (Mosaic GPU's
@@ -62,7 +65,16 @@ from probes.layer_stream import GRAPH_OPTIONS, barrier_trace, lateness, program_
 
 LAYERS = 16
 EPS = 1e-6
-STORES = dict(kernel_nowait="nowait", kernel_nostore="none")  # `layer`'s `stores`
+# `layer`'s diagnostic and store options per case (the others take its defaults)
+OLD_STORES = dict(partials="tma", early_free=False)  # before session 49
+CASE_OPTIONS = dict(
+    kernel_nowait=dict(stores="nowait", **OLD_STORES),
+    kernel_nostore=dict(stores="none"),
+    kernel_tma=OLD_STORES,
+    kernel_bare_tma=OLD_STORES,
+    kernel_early_tma=dict(partials="tma"),
+)
+WITH_PROLOGUES = ("kernel", "kernel_tma", "kernel_early_tma")
 ONE_B = Shape()  # the `1b` model's layer
 
 
@@ -472,10 +484,10 @@ def main():
                 else:
                     kw = dict(
                         stages=stages,
-                        prologues=name == "kernel",
+                        prologues=name in WITH_PROLOGUES,
                         barriers=name != "kernel_free",
-                        stores=STORES.get(name, "wait"),
                         kv_lens=lens,
+                        **CASE_OPTIONS.get(name, {}),
                     )
                     fn = jax.jit(functools.partial(kernel_layers, **kw))
                     args_ = (x[:real], (attn_in, arranged, scales))

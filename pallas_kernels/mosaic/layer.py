@@ -528,6 +528,40 @@ def _store_transposed(acc, y_smem):
     store(acc, y_smem)
 
 
+def _store_partial(acc, dest, part, col, rows):
+    """dest[part, :rows, col:col + 64] = acc.T[:rows] for a float32 `wgmma` accumulator
+    [64, 8], straight from each thread's registers into GMEM (no shared memory, no TMA): the
+    stores are ordinary ones, which a grid barrier's release orders before its arrival."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(
+            plgpu.Layout.WGMMA,
+            plgpu.RefType(),
+            plgpu.Layout.WG_SPLAT(shape=()),
+            plgpu.Layout.WG_SPLAT(shape=()),
+        )
+    )
+    def store(ctx, acc, dest, part, col):
+        del ctx
+        index = ir.IndexType.get()
+        p = arith.index_cast(index, part.registers.item())
+        c0 = arith.index_cast(index, col.registers.item())
+
+        def one(value, idx):
+            column, row = idx
+            at = [p, row, arith.addi(c0, column)]
+            if rows == ROWS:
+                memref.store(value, dest, at)
+            else:
+                short = arith.cmpi(arith.CmpIPredicate.ult, row, mgpu_utils.c(rows, index))
+                with mgpu_utils.when(short):
+                    memref.store(value, dest, at)
+
+        acc.foreach(one)
+
+    store(acc, dest, part, col)
+
+
 def _row_zero(out, row):
     """Per-thread code: row `row` of the GMEM ref `out` [R, hidden] set to zeros."""
 
@@ -564,6 +598,8 @@ def layer(
     prologues=True,
     barriers=True,
     stores="wait",
+    partials="regs",
+    early_free=True,
     trap=False,
     profile_dir=None,
     shape=Shape(),
@@ -601,11 +637,15 @@ def layer(
     Diagnostics: without `prologues` the programs skip the merge, the norms and SwiGLU, and
     without `barriers` the grid barriers too (wrong numbers both, what they cost); `stores`
     "nowait" arrives at a barrier without waiting for the program's stores to complete, and
-    "none" stores no partial sums (wrong numbers, what the stores cost at a barrier);
+    "none" stores no partial sums (wrong numbers, what the stores cost at a barrier).
+    `partials` "regs" stores the float32 partial sums from the registers ("direct" weights;
+    "tma": through shared memory and a TMA store), and `early_free` frees a weight tile's
+    slot before a product's store ("direct"), not after it (session 49);
     `profile_dir` traces each program's "kernel", "barrier{b}" and "prologue{j}" regions
     (Mosaic GPU's in-kernel profiler, `probes.layer_stream.barrier_trace` reads them)."""
-    assert stores in ("wait", "nowait", "none")
+    assert stores in ("wait", "nowait", "none") and partials in ("regs", "tma")
     direct = isinstance(w, tuple)
+    partials = partials if direct else "tma"  # `arrange`'s gate/up stores halves
     last = direct and len(w) == 3
     qkv_only = direct and len(w) == 1  # `norm_qkv`
     states = attn if isinstance(attn, tuple) else ()
@@ -708,10 +748,11 @@ def layer(
 
             plgpu.commit_smem()
 
-        def step(i, w_tile, acc, wait_tile=None):
+        def step(i, w_tile, acc, wait_tile=None, free_tile=None):
             """Iteration i: its barriers and prologues first, then its product with the
-            weight tile `w_tile` [128, 64] (after `wait_tile()`), and its store if it ends
-            a product. Returns the accumulator, zeroed where a product ended."""
+            weight tile `w_tile` [128, 64] (after `wait_tile()`, and `free_tile()` after
+            it), and its store if it ends a product. Returns the accumulator, zeroed where a
+            product ended."""
             live = i < count
 
             @pl.when(i == 0)
@@ -773,20 +814,27 @@ def layer(
             acc = jnp.where(
                 row < jnp.where(live, TILE_N, 0), pl.run_state(mma)(plgpu.ACC.init(acc)), acc
             )
+            if free_tile is not None:
+                pl.when(live)(free_tile)
             ends = live & at["ends"]
+            dests = (
+                (qkv_ref,)
+                if qkv_only
+                else (o_ref, gu_ref if direct else None, d_ref, qkv_ref)[: len(ps)]
+            )
 
-            @pl.when(ends & (stores != "none"))
-            def _():
+            def store_regs():
+                for j, dest in enumerate(dests):
+                    pl.when(phase == j)(
+                        lambda dest=dest: _store_partial(acc, dest, part, tile * TILE_N, rows)
+                    )
+
+            def store_tma():
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 _store_transposed(acc, y_smem)
                 y_rows = y_smem if rows == ROWS else y_smem.at[pl.ds(0, rows)]
                 plgpu.commit_smem()
                 cols = pl.ds(tile * TILE_N, TILE_N)
-                dests = (
-                    (qkv_ref,)
-                    if qkv_only
-                    else (o_ref, gu_ref if direct else None, d_ref, qkv_ref)[: len(ps)]
-                )
                 for j, dest in enumerate(dests):
                     if dest is not None:
                         pl.when(phase == j)(
@@ -801,6 +849,8 @@ def layer(
                         )
                     )
 
+            if stores != "none":
+                pl.when(ends)(store_regs if partials == "regs" else store_tma)
             return jnp.where(row < jnp.where(ends, 0, TILE_N), acc, jnp.zeros_like(acc))
 
         def start():
@@ -864,13 +914,16 @@ def layer(
 
             def compute(i, acc):
                 slot = lax.rem(i, stages)
+                free_tile = lambda: plgpu.barrier_arrive(free.at[slot])  # noqa: E731
                 acc = step(
                     i,
                     w_smem.at[slot],
                     acc,
                     wait_tile=lambda: plgpu.barrier_wait(ready.at[slot]),
+                    free_tile=free_tile if early_free else None,
                 )
-                pl.when(i < count)(lambda: plgpu.barrier_arrive(free.at[slot]))
+                if not early_free:
+                    pl.when(i < count)(free_tile)
                 return acc
 
             with jax.named_scope("kernel"):
