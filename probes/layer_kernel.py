@@ -19,6 +19,7 @@ time in a graphed loop:
     cost), and `kernel_free` without the barriers too (the schedule's weight stream alone);
   - `kernel_nowait`, `kernel_nostore`: `kernel_bare` arriving at a barrier without waiting
     for the program's stores to complete, and storing nothing (what the stores cost);
+    `kernel_unordered` arriving by a relaxed add, its stores not ordered before it;
   - `kernel_tma`, `kernel_bare_tma`: the partial sums stored through shared memory and TMA,
     each weight slot freed after the store (before session 49), and `kernel_early_tma` the
     TMA stores with the slot freed first;
@@ -69,6 +70,7 @@ EPS = 1e-6
 OLD_STORES = dict(partials="tma", early_free=False)  # before session 49
 CASE_OPTIONS = dict(
     kernel_nowait=dict(stores="nowait", **OLD_STORES),
+    kernel_unordered=dict(stores="unordered"),
     kernel_nostore=dict(stores="none"),
     kernel_tma=OLD_STORES,
     kernel_bare_tma=OLD_STORES,

@@ -74,7 +74,15 @@ def select(values, index):
 MAX_POLLS = 1 << 20
 
 
-def grid_barrier(counters, parity: int, barrier: int, num_programs: int, *, trap: bool = False):
+def grid_barrier(
+    counters,
+    parity: int,
+    barrier: int,
+    num_programs: int,
+    *,
+    trap: bool = False,
+    release: bool = True,
+):
     """The warpgroups of all `num_programs` programs meet at `counters[parity, barrier]`: one
     thread's release add of 1 at GPU scope, then its acquire poll until the count reaches
     `num_programs`, as `plgpu.semaphore_signal` / `semaphore_wait` do on their own
@@ -93,7 +101,8 @@ def grid_barrier(counters, parity: int, barrier: int, num_programs: int, *, trap
         ptr = mgpu_utils.getelementptr(base, [parity * width + barrier], i32)
         failed = mgpu_utils.getelementptr(base, [2 * width + barrier], i32)
         mgpu_utils.warpgroup_barrier()  # every thread's stores before the one thread's release
-        mgpu_utils.SemaphoreRef(ptr).signal(1, memory_scope="gpu")
+        # `release` False, a diagnostic: the program's stores not ordered before its arrival
+        mgpu_utils.SemaphoreRef(ptr).signal(1, relaxed=not release, memory_scope="gpu")
         with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
             loop = scf.WhileOp([i32, i32], [mgpu_utils.c(0, i32), mgpu_utils.c(0, i32)])
             before = loop.before.blocks.append(i32, i32)
@@ -636,14 +645,15 @@ def layer(
 
     Diagnostics: without `prologues` the programs skip the merge, the norms and SwiGLU, and
     without `barriers` the grid barriers too (wrong numbers both, what they cost); `stores`
-    "nowait" arrives at a barrier without waiting for the program's stores to complete, and
-    "none" stores no partial sums (wrong numbers, what the stores cost at a barrier).
+    "nowait" arrives at a barrier without waiting for the program's stores to complete,
+    "unordered" arrives by a relaxed add (the stores not ordered before it), and "none"
+    stores no partial sums (wrong numbers, what the stores cost at a barrier).
     `partials` "regs" stores the float32 partial sums from the registers ("direct" weights;
     "tma": through shared memory and a TMA store), and `early_free` frees a weight tile's
     slot before a product's store ("direct"), not after it (session 49);
     `profile_dir` traces each program's "kernel", "barrier{b}" and "prologue{j}" regions
     (Mosaic GPU's in-kernel profiler, `probes.layer_stream.barrier_trace` reads them)."""
-    assert stores in ("wait", "nowait", "none") and partials in ("regs", "tma")
+    assert stores in ("wait", "nowait", "unordered", "none") and partials in ("regs", "tma")
     direct = isinstance(w, tuple)
     partials = partials if direct else "tma"  # `arrange`'s gate/up stores halves
     last = direct and len(w) == 3
@@ -796,7 +806,14 @@ def layer(
                             if stores == "wait":
                                 plgpu.wait_smem_to_gmem(0)
                                 proxy_fence()
-                            grid_barrier(counters_ref, parity, b, num_programs, trap=trap)
+                            grid_barrier(
+                                counters_ref,
+                                parity,
+                                b,
+                                num_programs,
+                                trap=trap,
+                                release=stores != "unordered",
+                            )
                             proxy_fence()
                     with jax.named_scope(f"prologue{b + 1}"):
                         prologue(b + 1)
