@@ -290,6 +290,7 @@ def traced(profile_dir, real, x, state, case="kernel"):
                     summary[f"{name}.{key}"] = values[len(values) // 2]
         spans = [program_spans(path) for path in paths]
         summary["lateness"] = lateness(spans, ["barrier0", "barrier1", "barrier2", "kernel"])
+        summary["end_lateness"] = lateness(spans, ["kernel"], at=2)
         ends = [[s[2] for s in report["kernel"] if s[2] is not None] for report in spans]
         summary["kernel_end_p50_p90_max_us"] = [
             round(float(np.median([np.percentile(e, q) for e in ends])), 3) for q in (50, 90, 100)

@@ -539,8 +539,8 @@ def barrier_trace(path, sm_ghz=1.98):
 
 
 def program_spans(path, sm_ghz=1.98):
-    """Per named region of one profiled call: each program's first (SM, begin, end) in us from
-    the call's first event (`barrier_trace`'s clock)."""
+    """Per named region of one profiled call: each traced warpgroup's first (SM, begin, end,
+    trace id) in us from the call's first event (`barrier_trace`'s clock)."""
     with open(path) as f:
         events = sorted(json.load(f)["traceEvents"], key=lambda e: e["ts"])
     start, spans = {}, {}
@@ -550,7 +550,9 @@ def program_spans(path, sm_ghz=1.98):
     for e in events:
         t0 = start[e["tid"]]
         real = t0 + (e["ts"] - t0) / sm_ghz - origin
-        span = spans.setdefault(e["name"], {}).setdefault(e["tid"], [e["pid"] - 1, None, None])
+        span = spans.setdefault(e["name"], {}).setdefault(
+            e["tid"], [e["pid"] - 1, None, None, e["tid"]]
+        )
         if e["ph"] == "B" and span[1] is None:
             span[1] = real
         elif e["ph"] == "E" and span[2] is None:
@@ -558,25 +560,26 @@ def program_spans(path, sm_ghz=1.98):
     return {name: list(by_program.values()) for name, by_program in spans.items()}
 
 
-def lateness(reports, names):
+def lateness(reports, names, at=1):
     """For each region in `names`, over profiled calls (`program_spans`' reports): the
-    arrivals' percentiles after the call's median arrival, the release after the last
-    arrival, and how much of a program's lateness its SM explains (the variance of the SMs'
-    mean lateness over the variance of all; ~1 / calls when the SM does not matter), with the
-    SMs latest on average."""
+    arrivals' percentiles after the call's median arrival (`at` 2: the ends'), the release
+    after the last arrival, and how much of a program's lateness its SM explains (the
+    variance of the SMs' mean lateness over the variance of all; ~1 / calls when the SM does
+    not matter), with the SMs latest on average and their trace ids."""
     out = {}
     for name in names:
-        late, release, by_sm = [], [], {}
+        late, release, by_sm, tids = [], [], {}, {}
         for report in reports:
             spans = [s for s in report.get(name, []) if s[1] is not None and s[2] is not None]
             if not spans:
                 continue
-            begins = np.array([s[1] for s in spans])
+            begins = np.array([s[at] for s in spans])
             median = float(np.median(begins))
             release.append(float(np.median([s[2] for s in spans]) - begins.max()))
-            for sm, begin, _ in spans:
-                late.append(begin - median)
-                by_sm.setdefault(sm, []).append(begin - median)
+            for span in spans:
+                late.append(span[at] - median)
+                by_sm.setdefault(span[0], []).append(span[at] - median)
+                tids.setdefault(span[0], set()).add(span[3])
         if not late:
             continue
         late = np.array(late)
@@ -590,6 +593,7 @@ def lateness(reports, names):
             release_after_last_us=round(float(np.median(release)), 3),
             sm_share=round(share, 3),
             latest_sms={int(sm): round(means[sm], 3) for sm in worst},
+            latest_trace_ids={int(sm): sorted(tids[sm]) for sm in worst},
         )
     return out
 
