@@ -33,11 +33,12 @@ matmuls, attention and the rest, and the kernels per step: what the wall time sp
 kernels is launch gaps and host work. (The first CUPTI capture of a process has been seen to
 miss most kernels, so one is run and thrown away first: see `benchmarks/NOTES.md`.)
 
-`--decode-variants plain layer layer-1slot` runs each decode batch of at most 8 rows once per
-variant, beside the same anchors: the step's own XLA layers (`--no-layer-kernel`), the layer
-kernel path (`Decoder(layer_kernel=True)`) in at least two sequence slots, and that path with
-one slot at B=1 (`models.engine.LAYER_PATH_MIN_DECODE_ROWS`, the engine's default: the step's
-only dot left to XLA is then the logits).
+`--decode-variants plain layer layer-1slot phases phases-1slot` runs each decode batch of at
+most 8 rows once per variant, beside the same anchors: the step's own XLA layers
+(`--no-layer-kernel`), the layer kernel path (`Decoder(layer_kernel=True)`) as the persistent
+kernel in at least two sequence slots, and that path with one slot at B=1
+(`models.engine.LAYER_PATH_MIN_DECODE_ROWS`, the engine's default: the step's only dot left to
+XLA is then the logits); `phases` the same with one kernel a phase (`Decoder.layer_form`).
 
 `--model PATH` runs a Hugging Face checkpoint (`models.checkpoint.load_pretrained`) instead of
 a built-in config, and the HF anchor then loads the same folder.
@@ -68,8 +69,14 @@ from models.engine import Engine, Stats, compiler_options, step_xla_options
 from models.scheduler import SamplingParams
 
 # `--decode-variants`: name -> (`Decoder.layer_kernel`, the fewest slots of a decode step
-# through the layer path, `models.engine.LAYER_PATH_MIN_DECODE_ROWS`).
-DECODE_VARIANTS = {"plain": (False, None), "layer": (True, 2), "layer-1slot": (True, 1)}
+# through the layer path, `models.engine.LAYER_PATH_MIN_DECODE_ROWS`, `Decoder.layer_form`).
+DECODE_VARIANTS = {
+    "plain": (False, None, None),
+    "layer": (True, 2, "persistent"),
+    "layer-1slot": (True, 1, "persistent"),
+    "phases": (True, 2, "phases"),
+    "phases-1slot": (True, 1, "phases"),
+}
 DEFAULT_MIN_DECODE_ROWS = engine_module.MIN_DECODE_ROWS
 DEFAULT_LAYER_PATH_ROWS = engine_module.LAYER_PATH_MIN_DECODE_ROWS
 
@@ -522,6 +529,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
     model_layer_kernel = model.layer_kernel if args.layer_kernel is None else args.layer_kernel
+    model_layer_form = model.layer_form
     model.layer_kernel = model_layer_kernel
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
@@ -583,9 +591,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         prompts = np.random.default_rng([batch, args.ctx]).integers(0, vocab, (batch, args.ctx))
         steps, budget = args.new_tokens - 1, max(2048, args.ctx)  # the first token: prefill's
         max_len = args.ctx + _decode_budget(batch, args.ctx, steps, budget) + 1
-        layer_kernel, path_rows = DECODE_VARIANTS.get(variant, (model_layer_kernel, None))
+        layer_kernel, path_rows, form = DECODE_VARIANTS.get(
+            variant, (model_layer_kernel, None, None)
+        )
         model.layer_kernel = layer_kernel
         engine_module.LAYER_PATH_MIN_DECODE_ROWS = path_rows or DEFAULT_LAYER_PATH_ROWS
+        model.layer_form = form or model_layer_form
         engine = make(max_seqs=batch, budget=budget, max_len=max_len)
         # Compile, and warm up on other prompts of the same length, so that the warm-up runs
         # what the window runs. (Until the engine compiled its pool updates when built, the
@@ -598,6 +609,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if variant is not None:
             case["variant"] = variant
         case.update(layer_kernel=layer_kernel, decode_rows=engine.decode_rows)
+        case["layer_form"] = model.layer_form
         case.update(_decode_part(engine, prompts.tolist(), steps))
         case["block_ms"] = case["wall_ms_per_step"] * engine.config.decode_steps
         if args.profile:
@@ -631,6 +643,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model.layer_kernel = model_layer_kernel
     engine_module.LAYER_PATH_MIN_DECODE_ROWS = DEFAULT_LAYER_PATH_ROWS
     engine_module.MIN_DECODE_ROWS = DEFAULT_MIN_DECODE_ROWS
+    model.layer_form = model_layer_form
 
     implementation = {
         op: jaxpaged.resolve_implementation(op, args.implementation, model.config.dtype)

@@ -41,6 +41,13 @@ SWIGLU_F32_MAX_TOKENS = 64
 # Decode steps of at most this many sequence slots may run the layer kernel
 # (`Decoder(layer_kernel=True)`): its products take the rows as `wgmma`'s N of 8.
 LAYER_KERNEL_MAX_ROWS = 8
+# The layer path's forms on Hopper (`Decoder.layer_form`): "phases" runs a layer's work after
+# attention as one kernel a phase (o, gate/up, down, the next qkv), each taking its prologue
+# (the split merge, a norm, SwiGLU) first, beside its first weight copies
+# (`pallas_kernels.mosaic.layer.post_attention_phases`); "persistent" as one kernel with grid
+# barriers between the phases (`post_attention`), which session 48 measured at 46-47 us a
+# layer against XLA's 38.5 (benchmarks/NOTES.md, session 52).
+LAYER_FORMS = ("phases", "persistent")
 
 
 class MLP(nnx.Module):
@@ -174,17 +181,17 @@ def post_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """A decode step's layer after its attention, through the next layer's norm and qkv
     projection: the split merge, o, the residual add and norm, the MLP, the residual add, the
-    next norm and the next qkv. One Mosaic GPU kernel (`pallas_kernels.mosaic.layer`) unless
-    `implementation` is "xla" (the same arithmetic in XLA, as the step's own path computes
-    it).
+    next norm and the next qkv. Mosaic GPU kernels (`pallas_kernels.mosaic.layer`: one a phase,
+    or with `counters` one in all) unless `implementation` is "xla" (the same arithmetic
+    in XLA, as the step's own path computes it).
 
     Args:
       states: the attention's split states (`PagedAttention.attend_states`), S >= R rows.
       x: [R, hidden] the residual stream.
       layer: the layer; next_norm: the next layer's input norm (the last layer: the final
         norm); next_qkv: the next layer's qkv projection (the last layer: None).
-      counters: the kernel's barrier counters (`layer_counters`), shared by a step's layers,
-        which take `parity` 0 and 1 in turn.
+      counters: the persistent kernel's barrier counters (`layer_counters`), shared by a
+        step's layers, which take `parity` 0 and 1 in turn; None for the other forms.
       kv_lens: the step's; the kernel skips the per-row work of inactive slots (their rows of
         the outputs undefined, of the final norm zero).
 
@@ -204,6 +211,10 @@ def post_attention(
     if implementation != "xla":
         from pallas_kernels.mosaic import layer as mosaic  # noqa: PLC0415
 
+        if counters is None:
+            return mosaic.post_attention_phases(
+                states, x, weights, *scales, eps=eps, kv_lens=kv_lens
+            )
         return mosaic.post_attention(
             states, x, weights, *scales, counters, parity=parity, eps=eps, kv_lens=kv_lens
         )
@@ -245,14 +256,26 @@ class Decoder(nnx.Module):
     """Token ids of a ragged batch in, final hidden states out; `logits` maps them to the
     vocabulary (so a step can project only the rows it samples from).
 
-    `layer_kernel`: decode steps of at most 8 rows run each layer's work after attention as
-    one kernel (`post_attention`) where it applies (`runs_layer_kernel`): None (the default)
-    where the kernels run (Hopper), True also as the same structure in XLA under
-    `implementation="xla"` (the path's reference, for tests), False never."""
+    `layer_kernel`: decode steps of at most 8 rows run each layer's work after attention in
+    Mosaic GPU kernels (`post_attention`) where they apply
+    (`runs_layer_kernel`): None (the default) where the kernels run (Hopper), True also as
+    the same structure in XLA under `implementation="xla"` (the path's reference, for tests),
+    False never. `layer_form`: the kernels' form, one of `LAYER_FORMS` (a static attribute,
+    so that a jitted step traces each form apart)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_kernel: bool | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        layer_kernel: bool | None = None,
+        layer_form: str = "phases",
+    ):
+        if layer_form not in LAYER_FORMS:
+            raise ValueError(f"layer_form must be one of {LAYER_FORMS}; got {layer_form!r}")
         self.config = config
         self.layer_kernel = layer_kernel
+        self.layer_form = layer_form
         self.embed = nnx.Embed(
             config.vocab_size,
             config.hidden_size,
@@ -362,7 +385,10 @@ class Decoder(nnx.Module):
         group = self.config.num_q_heads // self.config.num_kv_heads
         shape = (x.shape[0], self.config.num_kv_heads, group + 2, self.config.head_dim)
         qkv = norm_qkv(x, self.layers[0], kv_lens=meta.kv_lens, implementation=implementation)
-        counters = None if implementation == "xla" else layer_counters()
+        if self.layer_form not in LAYER_FORMS:
+            raise ValueError(f"layer_form must be one of {LAYER_FORMS}; got {self.layer_form!r}")
+        persistent = implementation != "xla" and self.layer_form == "persistent"
+        counters = layer_counters() if persistent else None
         new_pages = []
         for i, (layer, (k_pages, v_pages)) in enumerate(zip(self.layers, kv_pages, strict=True)):
             states, k_pages, v_pages = layer.attn.attend_states(

@@ -23,6 +23,9 @@ time in a graphed loop:
   - `kernel_tma`, `kernel_bare_tma`: the partial sums stored through shared memory and TMA,
     each weight slot freed after the store (before session 49), and `kernel_early_tma` the
     TMA stores with the slot freed first;
+  - `phases`: the layer as one kernel a phase, each taking its prologue first
+    (`post_attention_phases`, `direct` weights only), and `phases_bare` without the
+    prologues (wrong numbers; what they cost there);
   - `xla`: the same arithmetic in XLA (`reference`, the split merge first).
 Layer 0 is checked against `reference` first, twice, and 16 chained layers against XLA's.
 `--profile-dir` traces one call's barriers and prologues in every program (Mosaic GPU's
@@ -61,6 +64,7 @@ from pallas_kernels.mosaic.layer import (
     Shape,
     layer,
     phases,
+    post_attention_phases,
 )
 from probes.layer_stream import GRAPH_OPTIONS, barrier_trace, lateness, program_spans
 
@@ -76,7 +80,8 @@ CASE_OPTIONS = dict(
     kernel_bare_tma=OLD_STORES,
     kernel_early_tma=dict(partials="tma"),
 )
-WITH_PROLOGUES = ("kernel", "kernel_tma", "kernel_early_tma")
+WITH_PROLOGUES = ("kernel", "kernel_tma", "kernel_early_tma", "phases")
+PHASE_CASES = ("phases", "phases_bare")  # one kernel a phase: `direct` weights only
 ONE_B = Shape()  # the `1b` model's layer
 
 
@@ -102,7 +107,9 @@ def arrange(wo, w_gate, w_up, wd, wqkv, shape: Shape = ONE_B):
     return jnp.concatenate([b.reshape(-1, TILE_N) for b in blocks], axis=0)
 
 
-def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shape=ONE_B):
+def simulate(
+    attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shape=ONE_B, split=False
+):
     """The kernel's work, as `Schedule` deals it, in NumPy (float32 products of the bfloat16
     tiles; the norms and SwiGLU as the per-thread code computes them): what the CPU can check
     of the kernel's index arithmetic, its weight order (`arrange`, or the model's matrices
@@ -111,32 +118,44 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
     the one its prologue takes (merges, or takes SwiGLU of). Returns (h2, qkv partial sums),
     or for the last layer (h2, the final norm), as `layer` does, for the first `real_rows`
     rows; with `w` (wqkv,) alone (`norm_qkv`: attn and scale_mlp unused) the qkv partial sums
-    of x's norm."""
+    of x's norm. With `split`, each phase as a kernel of its own (`layer(..., only=j)`, as
+    `post_attention_phases` runs them), with that kernel's schedule."""
     direct = isinstance(w, tuple)
     last = direct and len(w) == 3
     qkv_only = direct and len(w) == 1
+    assert not split or (direct and not qkv_only)
     sched = Schedule(shape, num_programs, direct, last, qkv_only)
     ps = sched.phases
     if direct:
         mats = [np.asarray(m, np.float32) for m in w]
 
-        def tile_of(prog, i):
+        def tile_of(at, prog, i):
             k, c = at["w_k_step"][prog, i] * TILE_K, at["tile"][prog, i] * TILE_N
-            return mats[at["phase"][prog, i]][k : k + TILE_K, c : c + TILE_N]
+            return mats[at["phase"][prog, i] - sched.first][k : k + TILE_K, c : c + TILE_N]
     else:
         tiles = np.asarray(w, np.float32).reshape(-1, TILE_K, TILE_N)
 
-        def tile_of(prog, i):
+        def tile_of(at, prog, i):
             return tiles[at["tile_row"][prog, i]]
 
-    programs = jnp.arange(num_programs)
-    info, local = sched.plan(programs)
-    its = jnp.arange(sched.max_count)
-    at = sched.locate(
-        its[None, :], [(f[:, None], n[:, None]) for f, n in info], [v[:, None] for v in local]
-    )
-    at = {k: np.asarray(v) for k, v in at.items()}
-    live = np.asarray(its[None, :] < local[-1][:, None])
+    def planned(sched):
+        """(what each program's iterations do, [first unit, units] per phase, which
+        iterations run), as the layer's phases (o 0, ...) whatever the schedule starts with."""
+        programs = jnp.arange(num_programs)
+        info, local = sched.plan(programs)
+        its = jnp.arange(sched.max_count)
+        at = sched.locate(
+            its[None, :], [(f[:, None], n[:, None]) for f, n in info], [v[:, None] for v in local]
+        )
+        at = {k: np.asarray(v) for k, v in at.items()}
+        at["phase"] = at["phase"] + sched.first
+        info = [None] * sched.first + [(np.asarray(f), np.asarray(n)) for f, n in info]
+        return at, info, np.asarray(its[None, :] < local[-1][:, None])
+
+    if split:
+        plans = [planned(Schedule(shape, num_programs, True, only=j)) for j in range(len(ps))]
+    else:
+        plans = [planned(sched)] * len(ps)
     f32 = np.float32
     rows = real_rows
 
@@ -168,9 +187,10 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
             else:
                 gate, up = outs[1].sum(0)[:, 0], outs[1].sum(0)[:, 1]
             act = bf16(gate / (1 + np.exp(-gate)) * up)
+        at, info, live = plans[j]
         for prog in range(num_programs):
             acc = np.zeros((rows, TILE_N), f32)
-            for i in np.nonzero(live[prog] & (at["phase"][prog] == j))[0]:
+            for i in np.nonzero(live[prog] & (at["phase"][prog] == j + sched.first))[0]:
                 k = at["k_step"][prog, i] * TILE_K
                 if j == 2:  # the part of act the prologue took: its first unit's
                     width = shape.inter // p.parts
@@ -184,7 +204,7 @@ def simulate(attn, x, w, scale_mlp, scale_next, *, num_programs, real_rows, shap
                     # o's prologue merges the heads of its first unit's part only
                     if at["part"][prog, i] != int(info[0][0][prog]) % p.parts:
                         raise AssertionError(f"program {prog}'s o units span parts of K")
-                acc += xj[:, k : k + TILE_K] @ tile_of(prog, i)
+                acc += xj[:, k : k + TILE_K] @ tile_of(at, prog, i)
                 if at["ends"][prog, i]:
                     part, tile, which = (at[n][prog, i] for n in ("part", "tile", "which"))
                     cols = slice(tile * TILE_N, (tile + 1) * TILE_N)
@@ -236,12 +256,37 @@ def check_layer(attn, x, w, scales, kv_lens=None):
     return h2, second, counters[2]
 
 
+def check_phases(attn, x, w, scales, kv_lens=None):
+    """One layer of x's rows as `post_attention_phases` runs it (the model's own matrices)."""
+    return post_attention_phases(attn, x, w, *scales, eps=EPS, kv_lens=kv_lens)
+
+
 def kernel_layers(x, state, **kw):
     """The layers chained over x's rows, each one's h2 the next one's x; `kw` as `layer`'s."""
     attn, arranged, scales = state
     counters = jax.new_ref(jnp.zeros((3, 3), jnp.int32))
     for n, (w, (s_mlp, s_next)) in enumerate(zip(arranged, scales, strict=True)):
         x, _ = layer(attn, x, w, s_mlp, s_next, counters, parity=n % 2, eps=EPS, **kw)
+    return x
+
+
+def phase_layers(x, state, **kw):
+    """The layers chained as `kernel_layers`, each as one kernel a phase (`layer(...,
+    only=j)`, as `pallas_kernels.mosaic.layer.post_attention_phases` runs them: the model's
+    own matrices); `kw` as `layer`'s."""
+    attn, weights, scales = state
+    for w, (s_mlp, s_next) in zip(weights, scales, strict=True):
+
+        def phase(j, carried=None, x=x, w=w, s_mlp=s_mlp, s_next=s_next):
+            return layer(
+                attn if j == 0 else None, x, (w[j],), s_mlp, s_next, None,
+                parity=0, eps=EPS, only=j, carried=carried, **kw,
+            )  # fmt: skip
+
+        o = phase(0)["o"]
+        mlp = phase(1, {"o": o})
+        d = phase(2, {"gu": mlp["gu"]})["d"]
+        x = phase(3, {"h": mlp["h"], "d": d})["h2"]
     return x
 
 
@@ -466,6 +511,23 @@ def main():
                     x[:real], (attn_in, raw, scales)
                 )
                 check["chain_rel_err"] = rel_err(got[:live], want[:live])
+            if not args.simulate and weights == "direct" and set(PHASE_CASES) & set(args.cases):
+                # the phases' kernels: layer 0 twice, and 16 chained against XLA's
+                fn = jax.jit(check_phases)
+                h2, qkv = fn(attn_in, x[:real], arranged[0], scales[0], lens)
+                again = fn(attn_in, x[:real], arranged[0], scales[0], lens)
+                check["phases_repeat_equal"] = bool(
+                    (np.asarray(again[1])[:, :live] == np.asarray(qkv)[:, :live]).all()
+                    and (np.asarray(again[0])[:live] == np.asarray(h2)[:live]).all()
+                )
+                check["phases_h2_rel_err"] = rel_err(h2[:live], want_h2[:live])
+                check["phases_qkv_rel_err"] = rel_err(
+                    np.asarray(qkv).sum(0)[:live], want_qkv[:live]
+                )
+                got = jax.jit(functools.partial(phase_layers, kv_lens=lens))(
+                    x[:real], (attn_in, arranged, scales)
+                )
+                check["phases_chain_rel_err"] = rel_err(got[:live], want[:live])
         except Exception as e:  # noqa: BLE001 - a probe records and goes on
             check["error"] = error_text(e)
         print(json.dumps(check), flush=True)
@@ -484,6 +546,12 @@ def main():
                 if name == "xla":
                     fn = jax.jit(functools.partial(xla_layers, real_rows=real))
                     args_ = (x[:real], (attn_in, raw, scales))
+                elif name in PHASE_CASES:
+                    if weights != "direct":
+                        raise ValueError("the phases' kernels read the model's own matrices")
+                    kw = dict(stages=stages, prologues=name == "phases", kv_lens=lens)
+                    fn = jax.jit(functools.partial(phase_layers, **kw))
+                    args_ = (x[:real], (attn_in, arranged, scales))
                 else:
                     kw = dict(
                         stages=stages,

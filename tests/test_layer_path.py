@@ -222,19 +222,57 @@ def test_post_attention_kernel_lowers_to_one_kernel(shape, rows, splits, last):
     assert "trap;" not in text and "red.relaxed.gpu.global.add.u32" in text
 
 
+@pytest.mark.parametrize(
+    ("shape", "rows", "splits", "last"),
+    [(ONE_B, 1, 10, False), (ONE_B, 2, 1, True), (TINY, 8, 3, False), (TINY, 5, 1, True)],
+)
+def test_post_attention_phases_lower_to_four_kernels(shape, rows, splits, last):
+    """Cross-lowered for sm_90: one Mosaic GPU kernel a phase (the last layer's fourth the
+    final norm's `add_rms_norm`), with no grid barrier (no counter, no release add)."""
+    states, x, weights, scales = _layer_inputs(shape, rows, splits, last)
+    kv_lens = jnp.ones((rows,), jnp.int32)
+
+    def run(states, x, weights, scales, kv_lens):
+        return mosaic.post_attention_phases(states, x, weights, *scales, eps=1e-6, kv_lens=kv_lens)
+
+    text = lower_for_hopper(run, states, x, weights, scales, kv_lens)
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 4 and all("@mosaic_gpu" in line for line in calls), calls
+    names = ["layer_o_kernel", "layer_gate_up_kernel", "layer_down_kernel"]
+    names.append("add_rms_norm" if last else "layer_qkv_kernel")
+    for name, call in zip(names, calls, strict=True):
+        assert name in call
+    assert "red.relaxed.gpu.global.add.u32" not in text and "ld.relaxed.gpu" not in text
+
+
+def test_post_attention_phase_refuses_wrong_carried_outputs():
+    states, x, weights, scales = _layer_inputs(TINY, 2, 1, False)
+    o = jnp.zeros((1, 2, TINY.hidden), jnp.float32)
+    with pytest.raises(ValueError, match=r"phase 3 takes carried \['d', 'h'\]; got \['o'\]"):
+        mosaic.layer(
+            None, x, (weights[3],), *scales, None, parity=0, eps=1e-6, only=3,
+            carried={"o": o}, shape=TINY,
+        )  # fmt: skip
+
+
+LAYER_FORM_KERNELS = {"persistent": 2, "phases": 5}  # custom calls a layer, the decode kernel's
+
+
+@pytest.mark.parametrize("form", sorted(LAYER_FORM_KERNELS))
 @pytest.mark.parametrize(("num_slots", "pages_per_seq"), [(1, 64), (2, 64), (2, 2), (8, 8)])
-def test_layer_path_step_lowers_to_two_kernels_a_layer(monkeypatch, num_slots, pages_per_seq):
+def test_layer_path_step_lowers_to_its_kernels(monkeypatch, form, num_slots, pages_per_seq):
     """The `1b`-shaped decode step through the layer path, cross-lowered for sm_90 as if on an
     H200 (the default device patched): the first layer's norm and qkv kernel, then per layer
-    the decode kernel with `rope_append` folded in and the layer kernel, and no other custom
-    call (no split merge; one split's bfloat16 states at 2 pages a sequence)."""
+    the decode kernel with `rope_append` folded in and the layer kernel (`persistent`), or
+    its four phases' kernels (`phases`; the last layer's fourth the final norm), and no other
+    custom call (no split merge; one split's bfloat16 states at 2 pages a sequence)."""
     from jaxpaged import dispatch  # noqa: PLC0415
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(dispatch, "default_device", lambda: dispatch.Device("gpu", "9.0", 132))
     layers = 3
     config = dataclasses.replace(CONFIGS["1b"], num_layers=layers, vocab_size=512)
-    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True)
+    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True, layer_form=form)
     num_pages = num_slots * pages_per_seq + 1
     meta = jaxpaged.StepMetadata.build(
         jnp.full((num_slots,), 5, jnp.int32),
@@ -256,25 +294,28 @@ def test_layer_path_step_lowers_to_two_kernels_a_layer(monkeypatch, num_slots, p
     tokens = jax.ShapeDtypeStruct((num_slots,), jnp.int32)
     text = lower_for_hopper(step, params, tokens, pages, meta)
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert all("@mosaic_gpu" in line for line in calls), calls
     layer_calls = [line for line in calls if "layer_kernel" in line]
-    assert len(layer_calls) == layers and all("@mosaic_gpu" in line for line in calls), calls
+    assert len(layer_calls) == (layers if form == "persistent" else 0), calls
+    assert sum("layer_down_kernel" in line for line in calls) == (form == "phases") * layers
     assert sum("norm_qkv_kernel" in line for line in calls) == 1, calls
-    assert len(calls) == 2 * layers + 1, calls
+    assert len(calls) == LAYER_FORM_KERNELS[form] * layers + 1, calls
 
 
+@pytest.mark.parametrize("form", sorted(LAYER_FORM_KERNELS))
 @pytest.mark.parametrize("min_rows", [1, 2])
-def test_decode_block_through_the_layer_path_lowers_for_hopper(monkeypatch, min_rows):
+def test_decode_block_through_the_layer_path_lowers_for_hopper(monkeypatch, form, min_rows):
     """The engine's decode block (a while loop of steps, the barrier counters a new ref in
     each) with the layer path, at B=1 in one sequence slot or two, cross-lowered for sm_90 as
     if on an H200: the first layer's norm and qkv kernel and per layer the decode kernel and
-    the layer kernel, and no other custom call."""
+    the layer kernel or its phases' kernels, and no other custom call."""
     from jaxpaged import dispatch  # noqa: PLC0415
     from models import engine as engine_module  # noqa: PLC0415
 
     layers = 3
     monkeypatch.setattr(engine_module, "LAYER_PATH_MIN_DECODE_ROWS", min_rows)
     config = dataclasses.replace(CONFIGS["1b"], num_layers=layers, vocab_size=512)
-    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True)
+    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True, layer_form=form)
     engine_config = EngineConfig(page_size=PAGE, num_pages=64, max_seqs=1, max_model_len=512)
     engine = Engine(model, engine_config, implementation="xla")  # built (compiled) on the CPU
     assert engine.decode_rows == min_rows
@@ -284,9 +325,9 @@ def test_decode_block_through_the_layer_path_lowers_for_hopper(monkeypatch, min_
     text = fn.trace(*args, **static).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert all("@mosaic_gpu" in line for line in calls), calls
-    assert sum("layer_kernel" in line for line in calls) == layers, calls
+    assert sum("layer_kernel" in line for line in calls) == (form == "persistent") * layers
     assert sum("norm_qkv_kernel" in line for line in calls) == 1, calls
-    assert len(calls) == 2 * layers + 1, calls
+    assert len(calls) == LAYER_FORM_KERNELS[form] * layers + 1, calls
 
 
 def _norm_qkv_inputs(hidden: int, qkv: int, rows: int, seed: int = 0):
@@ -361,12 +402,14 @@ def test_post_attention_kernel_refuses_what_it_does_not_take():
     assert "bytes of shared memory a program, over" in mosaic.supported(wide, 1, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("programs", [132, 8, 6])
 @pytest.mark.parametrize("last", [False, True])
-def test_post_attention_schedule_writes_every_output_once(programs, last):
+def test_post_attention_schedule_writes_every_output_once(programs, last, split):
     """The kernel's schedule at the tiny shape, run in NumPy (`probes.layer_kernel.simulate`:
     every output element written exactly once, a program's o and down units within one part
-    of K), against the XLA reference."""
+    of K), against the XLA reference; with `split` the phases' own kernels' schedules
+    (`post_attention_phases`)."""
     from probes.layer_kernel import reference, simulate  # noqa: PLC0415
 
     states, x, weights, scales = _layer_inputs(TINY, 3, 1, last)
@@ -380,6 +423,7 @@ def test_post_attention_schedule_writes_every_output_once(programs, last):
         num_programs=programs,
         real_rows=3,
         shape=TINY,
+        split=split,
     )
     gate, up = weights[1][:, 0::2], weights[1][:, 1::2]
     wqkv = None if last else weights[3]
@@ -410,16 +454,23 @@ KERNEL_TOL = 1e-2
         (TINY, 1, 1, True, ()),
     ],
 )
-def test_post_attention_kernel_matches_the_reference(shape, rows, splits, last, dead):
-    """The kernel against `models.decoder.post_attention`'s XLA arithmetic, outputs poisoned
-    first; twice, the same bits; no barrier gave up. Rows of inactive slots (`dead`, kv_len
-    0) are skipped: the live rows as without them, the dead rows' final norm zero."""
+@pytest.mark.parametrize("form", sorted(LAYER_FORM_KERNELS))
+def test_post_attention_kernel_matches_the_reference(shape, rows, splits, last, dead, form):
+    """The kernel (`persistent`), or the phases' kernels (`phases`), against
+    `models.decoder.post_attention`'s XLA arithmetic, outputs poisoned first; twice, the same
+    bits; no barrier gave up. Rows of inactive slots (`dead`, kv_len 0) are skipped: the live
+    rows as without them, the dead rows' final norm zero."""
     states, x, weights, scales = _layer_inputs(shape, rows, splits, last)
     kv_lens = jnp.asarray([0 if r in dead else 1 + r for r in range(rows)], jnp.int32)
     live = np.asarray(kv_lens) > 0
 
     @jax.jit
     def run(states, x, weights, scales, kv_lens):
+        if form == "phases":
+            out = mosaic.post_attention_phases(
+                states, x, weights, *scales, eps=1e-6, kv_lens=kv_lens
+            )
+            return out, jnp.zeros((3,), jnp.int32)
         counters = layer_counters()
         out = mosaic.post_attention(
             states, x, weights, *scales, counters, parity=0, eps=1e-6, kv_lens=kv_lens
@@ -473,13 +524,15 @@ def test_norm_qkv_kernel_matches_the_reference(hidden, qkv, rows, dead):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", sorted(LAYER_FORM_KERNELS))
 @pytest.mark.parametrize("num_slots", [2, 8])
-def test_layer_kernel_decoder_matches_the_step_on_the_gpu(num_slots):
-    """bfloat16 `1b`-shaped layers (2 of them) through the kernel path against the step's own
-    path on the GPU."""
+def test_layer_kernel_decoder_matches_the_step_on_the_gpu(num_slots, form):
+    """bfloat16 `1b`-shaped layers (2 of them) through the kernel path (in each form) against
+    the step's own path on the GPU."""
     config = dataclasses.replace(CONFIGS["1b"], num_layers=2, vocab_size=512)
     plain = _random_norms(Decoder(config, rngs=nnx.Rngs(0)))
-    fused = _random_norms(Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True))
+    fused = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True, layer_form=form)
+    fused = _random_norms(fused)
     tokens, pages, meta = _decode_step(config, num_slots, num_slots - 1)
     assert fused.runs_layer_kernel(num_slots, pages, meta, None)
     want, want_pages = _step(plain, tokens, pages, meta, None)
@@ -496,18 +549,20 @@ def test_layer_kernel_decoder_matches_the_step_on_the_gpu(num_slots):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", sorted(LAYER_FORM_KERNELS))
 @pytest.mark.parametrize("max_seqs", [4, 1])
-def test_engine_with_the_layer_kernel_gives_the_induction_tokens(max_seqs):
+def test_engine_with_the_layer_kernel_gives_the_induction_tokens(max_seqs, form):
     """The induction decoder (confident bfloat16 predictions, `tests/induction.py`) through the
-    engine's decode blocks: the kernel path's greedy tokens equal the step's own path's; also
-    at B=1, where the path runs one sequence slot (the layer kernel's R = 1)."""
+    engine's decode blocks: the kernel path's greedy tokens (in each form) equal the step's
+    own path's; also at B=1, where the path runs one sequence slot (the layer kernel's R =
+    1)."""
     config = EngineConfig(page_size=PAGE, num_pages=64, max_seqs=max_seqs, max_model_len=256)
     tiny = CONFIGS["tiny"].with_dtype(jnp.bfloat16)
     prompts = [induction_prompt(n, 12, s, tiny.vocab_size) for s, n in enumerate((40, 61, 90))]
     runs = []
     for layer_kernel in (False, True):
         model = induction_decoder(tiny)
-        model.layer_kernel = layer_kernel
+        model.layer_kernel, model.layer_form = layer_kernel, form
         _, pages, meta = _decode_step(tiny, config.max_seqs, min(3, config.max_seqs))
         assert model.runs_layer_kernel(config.max_seqs, pages, meta, "mosaic") == layer_kernel
         engine = Engine(model, config, implementation="mosaic")

@@ -49,12 +49,13 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import device_num_sms
-from pallas_kernels.mosaic.add_rms_norm import inverse_rms
+from pallas_kernels.mosaic.add_rms_norm import add_rms_norm, inverse_rms
 from pallas_kernels.mosaic.common import SMEM_LIMIT, launch
 from pallas_kernels.mosaic.merge import merge_values
 from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
 
 TILE_N, TILE_K = 64, 128
+PHASE_NAMES = ("o", "gate_up", "down", "qkv")  # the layer's phases, in order
 ROWS = 8  # the padded rows: x is `wgmma`'s N
 RUN = 4  # columns a thread takes at once in the per-thread code
 THREADS = 128
@@ -253,15 +254,30 @@ class Schedule:
     direct: bool = False
     last: bool = False
     qkv_only: bool = False
+    only: int | None = None  # one phase of the layer (0-3) as a kernel of its own
 
     @property
     def phases(self) -> tuple[Phase, ...]:
-        return phases(self.shape, self.direct, self.num_programs, self.last, self.qkv_only)
+        ps = phases(self.shape, self.direct, self.num_programs, self.last, self.qkv_only)
+        return ps if self.only is None else (ps[self.only],)
+
+    @property
+    def first(self) -> int:
+        """The layer's phase (o 0, gate/up 1, down 2, qkv 3) that the schedule starts with."""
+        return 3 if self.qkv_only else self.only or 0
+
+    def local(self, phase: int) -> int | None:
+        """The schedule's index of the layer's phase `phase`, None where it runs none."""
+        j = phase - self.first
+        return j if 0 <= j < len(self.phases) else None
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        """Gate/up starts on the programs after o's units (the ones o leaves idle); the other
-        phases on program 0, so that down's part q stays on programs q mod its parts."""
+        """Gate/up starts on the programs after o's units (the ones o leaves idle) where both
+        run in one kernel; the other phases on program 0, so that down's part q stays on
+        programs q mod its parts."""
+        if self.first != 0 or len(self.phases) == 1:
+            return (0,) * len(self.phases)
         return (0, self.phases[0].units % self.num_programs, 0, 0)[: len(self.phases)]
 
     @property
@@ -310,7 +326,8 @@ class Schedule:
         part, tile = unit % parts, unit // parts
         # x holds all of K, except in down, where it holds the program's part of act.
         w_k_step = part * half + step % half
-        k_step = w_k_step if self.qkv_only else jnp.where(phase == 2, step, w_k_step)
+        down = self.local(2)
+        k_step = w_k_step if down is None else jnp.where(phase == down, step, w_k_step)
         return dict(
             phase=phase,
             unit=unit,
@@ -604,6 +621,8 @@ def layer(
     eps,
     kv_lens=None,
     stages=4,
+    only=None,
+    carried=None,
     prologues=True,
     barriers=True,
     stores="wait",
@@ -635,13 +654,20 @@ def layer(
       kv_lens: i32[S >= R], the decode step's: rows of inactive slots (kv_len 0) skip the
         merge, the norms and SwiGLU (at B=1 the step's second row is padding); their h2 and
         qkv are undefined, their final norm zero. None: every row is live.
+      only: one phase of the layer (o 0, gate/up 1, down 2, qkv 3) as a kernel of its own,
+        its prologue first where the persistent kernel has a grid barrier
+        (`post_attention_phases`): `w` (that phase's matrix,), `counters` None, `carried`
+        the earlier phases' outputs that its prologue reads (gate/up {"o"}, down {"gu"},
+        qkv {"h", "d"}); attn is read by o's kernel alone, x by gate/up's.
       trap: a grid barrier that gives up aborts the kernel (`grid_barrier`) instead of
         counting in `counters[2]` and going on.
 
     Returns:
       h2 [R, hidden] (the residual after the MLP) and the next layer's qkv as float32 partial
       sums [parts, R, qkv]; the last layer h2 and its final norm [R, hidden]; `norm_qkv`'s
-      form the qkv partial sums alone.
+      form the qkv partial sums alone. With `only`, the phase's outputs by name: o {"o"},
+      gate/up {"h", "gu"}, down {"d"}, qkv {"h2", "qkv"} (the partial sums float32 [parts,
+      R, cols]; h = x + o and h2 = h + down [R, hidden]).
 
     Diagnostics: without `prologues` the programs skip the merge, the norms and SwiGLU, and
     without `barriers` the grid barriers too (wrong numbers both, what they cost); `stores`
@@ -656,49 +682,99 @@ def layer(
     assert stores in ("wait", "nowait", "unordered", "none") and partials in ("regs", "tma")
     direct = isinstance(w, tuple)
     partials = partials if direct else "tma"  # `arrange`'s gate/up stores halves
-    last = direct and len(w) == 3
-    qkv_only = direct and len(w) == 1  # `norm_qkv`
-    states = attn if isinstance(attn, tuple) else ()
-    takes_attn = not states and not qkv_only  # a merged attention output, copied in
+    split = only is not None
+    assert not split or (direct and len(w) == 1 and counters is None and only in range(4))
+    last = direct and not split and len(w) == 3
+    qkv_only = direct and not split and len(w) == 1  # `norm_qkv`
+    carried = dict(carried or {})
     rows = x.shape[0]  # R
     assert 1 <= rows <= ROWS and x.shape == (rows, shape.hidden)
+    num_programs = device_num_sms()
+    sched = Schedule(shape, num_programs, direct, last, qkv_only, only)
+    ps, first = sched.phases, sched.first
+    states = attn if first == 0 and isinstance(attn, tuple) else ()
+    takes_attn = first == 0 and not states  # a merged attention output, copied in
     if states:  # o's programs merge them into x_smem's first R rows
         assert states[0].shape[2:] == (shape.heads_dim // shape.head_dim, shape.head_dim)
         assert states[0].shape[0] >= rows and states[1].shape == states[0].shape[:3]
     elif takes_attn:
         assert attn.shape == (ROWS, shape.heads_dim)
-    num_programs = device_num_sms()
-    sched = Schedule(shape, num_programs, direct, last, qkv_only)
-    ps = sched.phases
+    down = sched.local(2)
     # x's shared memory holds one part of the intermediate dimension in the down phase: a
     # program's down units share it (`choose_parts`; at `1b` one unit a program).
-    if direct and not qkv_only:
-        assert num_programs % ps[2].parts == 0
+    if direct and down is not None:
+        assert num_programs % ps[down].parts == 0
     elif not direct:
         assert ps[2].units <= num_programs and min(p.units for p in ps) >= num_programs - 4
-    if not qkv_only:  # o's merge: one warpgroup a part
+    if first == 0:  # o's merge: one warpgroup a part
         assert shape.heads_dim // ps[0].parts <= THREADS * RUN
     assert kv_lens is None or (kv_lens.dtype == jnp.int32 and kv_lens.shape[0] >= rows)
     heads = shape.heads_dim // shape.head_dim
     f32 = jnp.float32
-    width = 0 if qkv_only else shape.inter // ps[2].parts
-    x_cols = _x_cols(shape, ps, qkv_only)
+    width = 0 if down is None else shape.inter // ps[down].parts
+    x_cols = _x_cols(shape, sched)
     assert _smem_bytes(x_cols, stages if direct else 0) <= SMEM_LIMIT
     weights = w if direct else (w,)
 
+    # The kernel's inputs and outputs by name: what the phases' prologues read and their
+    # products write. The persistent kernel writes every intermediate (o, gu, d and h: its
+    # programs read them back after the barriers); a phase of its own reads the earlier
+    # phases' from `carried` and writes its own.
+    ins = {}
+    if takes_attn:
+        ins["attn"] = attn
+    if qkv_only:
+        ins["h"] = x  # the residual stream whose norm qkv takes
+    elif not split or only == 1:
+        ins["x"] = x
+    if not split or only == 1:
+        ins["scale_mlp"] = scale_mlp
+    if not split or only == 3 or qkv_only:
+        ins["scale_next"] = scale_next
+    if counters is not None:
+        ins["counters"] = counters
+    if kv_lens is not None:
+        ins["kv_lens"] = kv_lens
+    ins.update({f"w{j}": m for j, m in enumerate(weights)})
+    if states:
+        ins.update(zip(("state_out", "state_lse"), states, strict=True))
+    needs = {None: (), 0: (), 1: ("o",), 2: ("gu",), 3: ("h", "d")}[only]
+    if set(carried) != set(needs):
+        raise ValueError(f"phase {only} takes carried {sorted(needs)}; got {sorted(carried)}")
+    ins.update((name, carried[name]) for name in needs)
+
+    def partial_sums(j):
+        p = ps[sched.local(j)]
+        cols = {0: shape.hidden, 2: shape.hidden, 3: shape.qkv}.get(j)
+        if j == 1:
+            gu = (rows, 2 * shape.inter) if direct else (rows, 2, shape.inter)
+            return jax.ShapeDtypeStruct((p.parts, *gu), f32)
+        return jax.ShapeDtypeStruct((p.parts, rows, cols), f32)
+
+    residual = jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype)
+    if qkv_only:
+        outs = {"qkv": partial_sums(3)}
+    elif split:  # the phase's partial sums, after h (gate/up) or h2 (qkv), its prologue's
+        name = ("o", "gu", "d", "qkv")[only]
+        outs = {"h": residual} if only == 1 else {"h2": residual} if only == 3 else {}
+        outs[name] = partial_sums(only)
+    else:
+        outs = {"h2": residual, **({"final": residual} if last else {"qkv": partial_sums(3)})}
+        outs.update(o=partial_sums(0), gu=partial_sums(1), d=partial_sums(2), h=residual)
+    names = (*ins, *outs)
+
     def body(*refs):
-        attn_ref, refs = (refs[0], refs[1:]) if takes_attn else (None, refs)
-        if qkv_only:
-            (x_ref, s_next_ref, *refs), s_mlp_ref, counters_ref = refs, None, None
-        else:
-            x_ref, s_mlp_ref, s_next_ref, counters_ref, *refs = refs
-        lens_ref, refs = (refs[0], refs[1:]) if kv_lens is not None else (None, refs)
-        w_refs, refs = refs[: len(weights)], refs[len(weights) :]
-        state_refs, refs = refs[: len(states)], refs[len(states) :]
-        if qkv_only:
-            (qkv_ref, *scratch), h2_ref, o_ref, gu_ref, d_ref, h_ref = refs, *(None,) * 5
-        else:  # last: qkv_ref the final norm
-            h2_ref, qkv_ref, o_ref, gu_ref, d_ref, h_ref, *scratch = refs
+        named = dict(zip(names, refs[: len(names)], strict=True))
+        scratch = refs[len(names) :]
+        get = named.get
+        attn_ref, x_ref, counters_ref, lens_ref = (
+            get(n) for n in ("attn", "x", "counters", "kv_lens")
+        )
+        s_mlp_ref, s_next_ref = get("scale_mlp"), get("scale_next")
+        w_refs = [named[f"w{j}"] for j in range(len(weights))]
+        state_refs = [named[n] for n in ("state_out", "state_lse") if n in named]
+        o_ref, gu_ref, d_ref, h_ref, h2_ref = (get(n) for n in ("o", "gu", "d", "h", "h2"))
+        qkv_ref = get("qkv", get("final"))  # the last layer: its final norm
         x_smem, y_smem, warp_sums, a_barrier, pipe = scratch
         program = lax.axis_index("program")
         info, local = sched.plan(program)
@@ -730,7 +806,8 @@ def layer(
                 )
 
         def prologue(j):
-            """What a program does after barrier j - 1, before phase j's first product."""
+            """What a program does before the layer's phase j's first product (j > 0): after
+            barrier j - 1, or first thing in a kernel of the phase's own."""
             if not prologues:
                 return
             if j == 1 or j == 3:
@@ -739,7 +816,7 @@ def layer(
                 out = h_ref if j == 1 else h2_ref
                 norm_rows(parts, resid, scale, out, x_smem, (program == 0).astype(jnp.int32))
             else:
-                first, n = info[2]
+                unit, n = info[down]
 
                 @pl.when(n > 0)
                 def _():
@@ -750,7 +827,7 @@ def layer(
                                 gu_ref,
                                 x_smem,
                                 jnp.int32(r),
-                                lax.rem(first, ps[2].parts),
+                                lax.rem(unit, ps[down].parts),
                                 width=width,
                                 pairs=direct,
                             )
@@ -769,21 +846,19 @@ def layer(
             def _():
                 if takes_attn:
                     plgpu.barrier_wait(a_barrier)
-                first, n = info[0]
-                if qkv_only and prologues:  # x's norm, as the layers' norms after a barrier
-
-                    @pl.when(n > 0)
-                    @jax.named_scope("prologue0")
-                    def _():
-                        norm_rows(None, x_ref, s_next_ref, None, x_smem, jnp.int32(0))
-                        plgpu.commit_smem()
+                unit, n = info[0]
+                if first > 0:  # x's norm (`norm_qkv`), or a phase's own kernel's prologue
+                    # programs without units skip it; program 0 writes h or h2
+                    pl.when((n > 0) | (program == 0))(
+                        jax.named_scope("prologue0")(lambda: prologue(first))
+                    )
 
                 if states and prologues:
 
                     @pl.when(n > 0)
                     @jax.named_scope("prologue0")
                     def _():
-                        part = lax.rem(first, ps[0].parts)
+                        part = lax.rem(unit, ps[0].parts)
                         for r in range(rows):
                             when_live(r)(
                                 functools.partial(
@@ -816,7 +891,7 @@ def layer(
                             )
                             proxy_fence()
                     with jax.named_scope(f"prologue{b + 1}"):
-                        prologue(b + 1)
+                        prologue(first + b + 1)
 
             at = sched.locate(i, info, local)
             phase, part, tile = at["phase"], at["part"], at["tile"]
@@ -834,11 +909,7 @@ def layer(
             if free_tile is not None:
                 pl.when(live)(free_tile)
             ends = live & at["ends"]
-            dests = (
-                (qkv_ref,)
-                if qkv_only
-                else (o_ref, gu_ref if direct else None, d_ref, qkv_ref)[: len(ps)]
-            )
+            dests = (o_ref, gu_ref if direct else None, d_ref, qkv_ref)[first:][: len(ps)]
 
             def store_regs():
                 for j, dest in enumerate(dests):
@@ -961,21 +1032,6 @@ def layer(
 
             plgpu.wait_smem_to_gmem(0)
 
-    gu_shape = (rows, 2 * shape.inter) if direct else (rows, 2, shape.inter)
-    out_types = (
-        (jax.ShapeDtypeStruct((ps[0].parts, rows, shape.qkv), f32),)
-        if qkv_only
-        else (
-            jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
-            jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype)
-            if last
-            else jax.ShapeDtypeStruct((ps[3].parts, rows, shape.qkv), f32),
-            jax.ShapeDtypeStruct((ps[0].parts, rows, shape.hidden), f32),
-            jax.ShapeDtypeStruct((ps[1].parts, *gu_shape), f32),
-            jax.ShapeDtypeStruct((ps[2].parts, rows, shape.hidden), f32),
-            jax.ShapeDtypeStruct((rows, shape.hidden), x.dtype),
-        )
-    )
     pipe = (
         (
             plgpu.SMEM((stages, TILE_K, TILE_N), x.dtype, transforms=TILED),
@@ -984,16 +1040,15 @@ def layer(
         if direct
         else ()
     )
-    outs = launch(
+    kernel_name = "layer_kernel"
+    if qkv_only:
+        kernel_name = "norm_qkv_kernel"
+    elif split:
+        kernel_name = f"layer_{PHASE_NAMES[only]}_kernel"
+    results = launch(
         body,
-        out_types,
-        (
-            *((attn,) if takes_attn else ()),
-            *((x, scale_next) if qkv_only else (x, scale_mlp, scale_next, counters)),
-            *(() if kv_lens is None else (kv_lens,)),
-            *weights,
-            *states,
-        ),
+        tuple(outs.values()),
+        tuple(ins.values()),
         grid=(num_programs,),
         grid_names=("program",),
         scratch_types=(
@@ -1003,20 +1058,29 @@ def layer(
             plgpu.Barrier(),
             pipe,
         ),
-        kernel_name="norm_qkv_kernel" if qkv_only else "layer_kernel",
+        kernel_name=kernel_name,
         compiler_params=plgpu.CompilerParams(
             **(dict(profile_space=64, profile_dir=profile_dir) if profile_dir else {})
         ),
         **(dict(num_threads=2, thread_name="wg") if direct else {}),
     )
-    return outs[0] if qkv_only else tuple(outs[:2])
-
-
-def _x_cols(shape: Shape, ps: tuple[Phase, ...], qkv_only: bool) -> int:
-    """Columns of a phase's x in shared memory: o's K, the hidden size, down's part of act."""
+    results = dict(zip(outs, results, strict=True))
+    if split:
+        return results
     if qkv_only:
-        return shape.hidden
-    return max(shape.heads_dim, shape.hidden, shape.inter // ps[2].parts)
+        return results["qkv"]
+    return results["h2"], results["final" if last else "qkv"]
+
+
+def _x_cols(shape: Shape, sched: Schedule) -> int:
+    """Columns of the phases' x in shared memory: o's K, the hidden size (gate/up's and
+    qkv's K), down's part of act."""
+    cols = (shape.heads_dim, shape.hidden, None, shape.hidden)
+    down = sched.local(2)
+    return max(
+        shape.inter // sched.phases[down].parts if j == 2 else cols[j]
+        for j in range(sched.first, sched.first + len(sched.phases))
+    )
 
 
 def _smem_bytes(x_cols: int, stages: int) -> int:
@@ -1065,7 +1129,7 @@ def supported(shape: Shape, rows: int, dtype, stages: int = 4) -> str | None:
         return str(e)
     if num_programs % ps[2].parts:
         return f"down's {ps[2].parts} parts must divide the {num_programs} programs"
-    smem = _smem_bytes(_x_cols(shape, ps, False), stages)
+    smem = _smem_bytes(_x_cols(shape, Schedule(shape, num_programs, True, not shape.qkv)), stages)
     if smem > SMEM_LIMIT:
         return f"{smem} bytes of shared memory a program, over {SMEM_LIMIT}"
     return None
@@ -1127,6 +1191,52 @@ def post_attention(
         trap=True,
         shape=shape,
     )
+
+
+def post_attention_phases(
+    attn, x, weights, scale_mlp, scale_next, *, eps: float, kv_lens=None, stages: int = 4
+):
+    """`post_attention` as one kernel a phase (o, gate/up, down, qkv: `layer(..., only=j)`),
+    each program taking the phase's prologue (the split merge, a residual add and norm,
+    SwiGLU) first thing, beside its first weight copies, where the persistent kernel waits at
+    a grid barrier and then takes it with its weight stages full. The step's seven kernels
+    after attention become four, with no barrier, counter or memset. The last layer's final
+    norm is `add_rms_norm`'s kernel over down's partial sums (inactive rows zeroed).
+
+    Arguments and results as `post_attention`'s, without its counters and parity."""
+    wqkv = weights[3] if len(weights) == 4 else None
+    shape = model_shape(*weights[:3], wqkv, attn[0].shape[-1])
+    why = supported(shape, x.shape[0], x.dtype, stages)
+    if why is not None:
+        raise ValueError(f"post_attention_phases does not take this layer: {why}")
+
+    def phase(j, carried=None):
+        return layer(
+            attn if j == 0 else None,
+            x,
+            (weights[j],),
+            scale_mlp,
+            scale_next,
+            None,
+            parity=0,
+            eps=eps,
+            kv_lens=kv_lens,
+            stages=stages,
+            only=j,
+            carried=carried,
+            shape=shape,
+        )
+
+    o = phase(0)["o"]
+    mlp = phase(1, {"o": o})
+    d = phase(2, {"gu": mlp["gu"]})["d"]
+    if wqkv is not None:
+        out = phase(3, {"h": mlp["h"], "d": d})
+        return out["h2"], out["qkv"]
+    h2, final = add_rms_norm(mlp["h"], d, scale_next, eps=eps)
+    if kv_lens is not None:  # an inactive slot's final norm: zeros, as the persistent kernel's
+        final = jnp.where(kv_lens[: x.shape[0], None] > 0, final, jnp.zeros_like(final))
+    return h2, final
 
 
 def norm_qkv(x, wqkv, scale, *, eps: float, kv_lens=None, stages: int = 4):
