@@ -29,7 +29,15 @@ Work is split into units (a 64-column tile and a part of K), dealt round-robin t
 copy warpgroup ("direct", what the model path runs), or as a copy in the order the units read
 them (`probes.layer_kernel.arrange`, streamed by `emit_pipeline` in one warpgroup). The
 barriers count in a ref that outlives the call (`grid_barrier`), so no memset precedes it.
-`probes.layer_kernel` measures the kernel and runs `Schedule` in NumPy (`simulate`).
+
+Session 48 measured the barriers as dear as the kernel boundaries they replace (each program
+arrives with its partial sums stored, waits for the slowest, and takes the next prologue with
+its weight stages full). `post_attention_phases` runs the same phases as one kernel each
+(`layer(..., only=j)`): a kernel boundary where the barrier was, and each prologue first
+thing in its kernel, beside the first weight copies, which do not depend on it. Seven XLA
+kernels after attention become four, with no barrier, counter or memset.
+
+`probes.layer_kernel` measures both forms and runs `Schedule` in NumPy (`simulate`).
 """
 
 from __future__ import annotations
