@@ -36,7 +36,7 @@ from benchmarks.common import roomy_engine_config
 from jaxpaged import dispatch
 from models import engine as engine_module
 from models.config import CONFIGS
-from models.decoder import Decoder
+from models.decoder import LAYER_FORMS, Decoder
 from models.engine import Engine
 
 TARGET = Path(__file__).with_name("h200_target.txtpb")
@@ -195,13 +195,18 @@ def kernels(text: str, matrix_elements: int = 2048 * 2048) -> list[Kernel]:
 
 
 def decode_block_hlo(
-    batch: int, *, layers: int, layer_kernel: bool | None, min_decode_rows: int | None
+    batch: int,
+    *,
+    layers: int,
+    layer_kernel: bool | None,
+    min_decode_rows: int | None,
+    layer_form: str = "phases",
 ) -> tuple[str, int]:
     """The engine's greedy decode block for `1b` with `layers` layers at `batch` sequences,
-    compiled for an H200: its HLO text and the decode step's rows (slots). `layer_kernel`:
-    `Decoder(layer_kernel=...)`; `min_decode_rows`: default the engine's choice on an H200."""
+    compiled for an H200: its HLO text and the decode step's rows (slots). `layer_kernel`,
+    `layer_form`: `Decoder`'s; `min_decode_rows`: default the engine's choice on an H200."""
     config = dataclasses.replace(CONFIGS["1b"], num_layers=layers)
-    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=layer_kernel)
+    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=layer_kernel, layer_form=layer_form)
     saved = engine_module.MIN_DECODE_ROWS
     try:
         engine_config = roomy_engine_config(
@@ -240,6 +245,9 @@ def main():
         "--layer-kernel", action=argparse.BooleanOptionalAction, default=None,
         help="Decoder(layer_kernel=...); default the model's (None)",
     )  # fmt: skip
+    parser.add_argument(
+        "--layer-form", default="phases", choices=LAYER_FORMS, help="Decoder(layer_form=...)"
+    )
     parser.add_argument("--min-decode-rows", type=int, default=None)
     parser.add_argument("--dump", type=Path, help="write the optimized HLO here")
     parser.add_argument("--json", action="store_true", help="the counts as one JSON line")
@@ -249,6 +257,7 @@ def main():
         layers=args.layers,
         layer_kernel=args.layer_kernel,
         min_decode_rows=args.min_decode_rows,
+        layer_form=args.layer_form,
     )
     if args.dump:
         args.dump.write_text(text)
