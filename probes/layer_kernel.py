@@ -24,8 +24,9 @@ time in a graphed loop:
     each weight slot freed after the store (before session 49), and `kernel_early_tma` the
     TMA stores with the slot freed first;
   - `phases`: the layer as one kernel a phase, each taking its prologue first
-    (`post_attention_phases`, `direct` weights only), and `phases_bare` without the
-    prologues (wrong numbers; what they cost there);
+    (`post_attention_phases`, `direct` weights only), `phases_bare` without the prologues
+    (wrong numbers; what they cost there), and `phases_prefetch` with each kernel asking the
+    L2 for the next one's first weight tiles as it ends (`layer`'s `prefetch_next`);
   - `xla`: the same arithmetic in XLA (`reference`, the split merge first).
 Layer 0 is checked against `reference` first, twice, and 16 chained layers against XLA's.
 `--profile-dir` traces one call's barriers and prologues in every program (Mosaic GPU's
@@ -80,8 +81,8 @@ CASE_OPTIONS = dict(
     kernel_bare_tma=OLD_STORES,
     kernel_early_tma=dict(partials="tma"),
 )
-WITH_PROLOGUES = ("kernel", "kernel_tma", "kernel_early_tma", "phases")
-PHASE_CASES = ("phases", "phases_bare")  # one kernel a phase: `direct` weights only
+WITH_PROLOGUES = ("kernel", "kernel_tma", "kernel_early_tma", "phases", "phases_prefetch")
+PHASE_CASES = ("phases", "phases_bare", "phases_prefetch")  # one kernel a phase: `direct` only
 ONE_B = Shape()  # the `1b` model's layer
 
 
@@ -270,17 +271,19 @@ def kernel_layers(x, state, **kw):
     return x
 
 
-def phase_layers(x, state, **kw):
+def phase_layers(x, state, prefetch=False, **kw):
     """The layers chained as `kernel_layers`, each as one kernel a phase (`layer(...,
     only=j)`, as `pallas_kernels.mosaic.layer.post_attention_phases` runs them: the model's
-    own matrices); `kw` as `layer`'s."""
+    own matrices), with `prefetch` each kernel asking the L2 for the next one's first weight
+    tiles; `kw` as `layer`'s."""
     attn, weights, scales = state
     for w, (s_mlp, s_next) in zip(weights, scales, strict=True):
 
         def phase(j, carried=None, x=x, w=w, s_mlp=s_mlp, s_next=s_next):
             return layer(
                 attn if j == 0 else None, x, (w[j],), s_mlp, s_next, None,
-                parity=0, eps=EPS, only=j, carried=carried, **kw,
+                parity=0, eps=EPS, only=j, carried=carried,
+                prefetch_next=w[j + 1] if prefetch and j < 3 else None, **kw,
             )  # fmt: skip
 
         o = phase(0)["o"]
@@ -549,7 +552,8 @@ def main():
                 elif name in PHASE_CASES:
                     if weights != "direct":
                         raise ValueError("the phases' kernels read the model's own matrices")
-                    kw = dict(stages=stages, prologues=name == "phases", kv_lens=lens)
+                    kw = dict(stages=stages, prologues=name != "phases_bare", kv_lens=lens)
+                    kw["prefetch"] = name == "phases_prefetch"
                     fn = jax.jit(functools.partial(phase_layers, **kw))
                     args_ = (x[:real], (attn_in, arranged, scales))
                 else:

@@ -245,6 +245,23 @@ def test_post_attention_phases_lower_to_four_kernels(shape, rows, splits, last):
     assert "red.relaxed.gpu.global.add.u32" not in text and "ld.relaxed.gpu" not in text
 
 
+def test_post_attention_phases_prefetch_the_next_kernels_weights():
+    """With `prefetch`, the o, gate/up and down kernels issue TMA prefetches into the L2 (of
+    the next kernel's weights), and the qkv kernel, the layer's last, none."""
+    states, x, weights, scales = _layer_inputs(TINY, 2, 3, False)
+    tma_prefetch = "cp.async.bulk.prefetch.tensor"
+    for prefetch in (False, True):
+
+        def run(states, x, weights, scales, prefetch=prefetch):
+            return mosaic.post_attention_phases(
+                states, x, weights, *scales, eps=1e-6, prefetch=prefetch
+            )
+
+        text = lower_for_hopper(run, states, x, weights, scales)
+        calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+        assert [tma_prefetch in call for call in calls] == [prefetch] * 3 + [False]
+
+
 def test_post_attention_phase_refuses_wrong_carried_outputs():
     states, x, weights, scales = _layer_inputs(TINY, 2, 1, False)
     o = jnp.zeros((1, 2, TINY.hidden), jnp.float32)

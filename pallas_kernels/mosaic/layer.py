@@ -631,6 +631,7 @@ def layer(
     stages=4,
     only=None,
     carried=None,
+    prefetch_next=None,
     prologues=True,
     barriers=True,
     stores="wait",
@@ -667,6 +668,10 @@ def layer(
         (`post_attention_phases`): `w` (that phase's matrix,), `counters` None, `carried`
         the earlier phases' outputs that its prologue reads (gate/up {"o"}, down {"gu"},
         qkv {"h", "d"}); attn is read by o's kernel alone, x by gate/up's.
+      prefetch_next: with `only` below 3, the next phase's matrix: after its last copy, each
+        program's copy warpgroup asks the L2 for the first `stages` weight tiles that the
+        same program reads in the next phase's kernel (TMA prefetches, nothing waits for
+        them), so that kernel's pipeline fills from the L2 (a probe option, session 52).
       trap: a grid barrier that gives up aborts the kernel (`grid_barrier`) instead of
         counting in `counters[2]` and going on.
 
@@ -744,6 +749,9 @@ def layer(
     if kv_lens is not None:
         ins["kv_lens"] = kv_lens
     ins.update({f"w{j}": m for j, m in enumerate(weights)})
+    if prefetch_next is not None:
+        assert split and only < 3 and prefetch_next.dtype == weights[0].dtype
+        ins["w_next"] = prefetch_next
     if states:
         ins.update(zip(("state_out", "state_lse"), states, strict=True))
     needs = {None: (), 0: (), 1: ("o",), 2: ("gu",), 3: ("h", "d")}[only]
@@ -1003,6 +1011,18 @@ def layer(
                 return carry
 
             lax.fori_loop(0, count, copy, jnp.int32(0))
+            if prefetch_next is not None:
+                nxt = Schedule(shape, num_programs, True, only=only + 1)
+                next_info, next_local = nxt.plan(program)
+
+                def ask(i, carry):
+                    at = nxt.locate(i, next_info, next_local)
+                    k_rows = pl.ds(pl.multiple_of(at["w_k_step"] * TILE_K, TILE_K), TILE_K)
+                    cols = pl.ds(pl.multiple_of(at["tile"] * TILE_N, TILE_N), TILE_N)
+                    plgpu.async_prefetch(named["w_next"].at[k_rows, cols])
+                    return carry
+
+                lax.fori_loop(0, jnp.minimum(stages, next_local[-1]), ask, jnp.int32(0))
 
         @pl.when(wg == 0)
         def _compute():
@@ -1202,7 +1222,16 @@ def post_attention(
 
 
 def post_attention_phases(
-    attn, x, weights, scale_mlp, scale_next, *, eps: float, kv_lens=None, stages: int = 4
+    attn,
+    x,
+    weights,
+    scale_mlp,
+    scale_next,
+    *,
+    eps: float,
+    kv_lens=None,
+    stages: int = 4,
+    prefetch: bool = False,
 ):
     """`post_attention` as one kernel a phase (o, gate/up, down, qkv: `layer(..., only=j)`),
     each program taking the phase's prologue (the split merge, a residual add and norm,
@@ -1211,7 +1240,9 @@ def post_attention_phases(
     after attention become four, with no barrier, counter or memset. The last layer's final
     norm is `add_rms_norm`'s kernel over down's partial sums (inactive rows zeroed).
 
-    Arguments and results as `post_attention`'s, without its counters and parity."""
+    Arguments and results as `post_attention`'s, without its counters and parity; `prefetch`:
+    each kernel asks the L2 for the next one's first weight tiles (`layer`'s
+    `prefetch_next`)."""
     wqkv = weights[3] if len(weights) == 4 else None
     shape = model_shape(*weights[:3], wqkv, attn[0].shape[-1])
     why = supported(shape, x.shape[0], x.dtype, stages)
@@ -1232,6 +1263,7 @@ def post_attention_phases(
             stages=stages,
             only=j,
             carried=carried,
+            prefetch_next=weights[j + 1] if prefetch and j + 1 < len(weights) else None,
             shape=shape,
         )
 
