@@ -66,6 +66,7 @@ from pallas_kernels.mosaic.layer import (
     layer,
     phases,
     post_attention_phases,
+    run_phases,
 )
 from probes.layer_stream import GRAPH_OPTIONS, barrier_trace, lateness, program_spans
 
@@ -271,25 +272,13 @@ def kernel_layers(x, state, **kw):
     return x
 
 
-def phase_layers(x, state, prefetch=False, **kw):
-    """The layers chained as `kernel_layers`, each as one kernel a phase (`layer(...,
-    only=j)`, as `pallas_kernels.mosaic.layer.post_attention_phases` runs them: the model's
-    own matrices), with `prefetch` each kernel asking the L2 for the next one's first weight
-    tiles; `kw` as `layer`'s."""
+def phase_layers(x, state, **kw):
+    """The layers chained as `kernel_layers`, each as one kernel a phase (`run_phases`, as
+    `pallas_kernels.mosaic.layer.post_attention_phases` runs them: the model's own
+    matrices); `kw` as `run_phases`'s."""
     attn, weights, scales = state
     for w, (s_mlp, s_next) in zip(weights, scales, strict=True):
-
-        def phase(j, carried=None, x=x, w=w, s_mlp=s_mlp, s_next=s_next):
-            return layer(
-                attn if j == 0 else None, x, (w[j],), s_mlp, s_next, None,
-                parity=0, eps=EPS, only=j, carried=carried,
-                prefetch_next=w[j + 1] if prefetch and j < 3 else None, **kw,
-            )  # fmt: skip
-
-        o = phase(0)["o"]
-        mlp = phase(1, {"o": o})
-        d = phase(2, {"gu": mlp["gu"]})["d"]
-        x = phase(3, {"h": mlp["h"], "d": d})["h2"]
+        x = run_phases(attn, x, w, s_mlp, s_next, eps=EPS, **kw)["h2"]
     return x
 
 

@@ -64,6 +64,9 @@ from pallas_kernels.mosaic.pipeline import TILED, tiled_indices
 
 TILE_N, TILE_K = 64, 128
 PHASE_NAMES = ("o", "gate_up", "down", "qkv")  # the layer's phases, in order
+# What each phase's kernel of its own reads of the earlier ones' outputs (`layer`'s `carried`):
+# gate/up's norm o's partial sums, down's SwiGLU gate/up's, qkv's norm h and down's.
+CARRIED = ((), ("o",), ("gu",), ("h", "d"))
 ROWS = 8  # the padded rows: x is `wgmma`'s N
 RUN = 4  # columns a thread takes at once in the per-thread code
 THREADS = 128
@@ -754,7 +757,7 @@ def layer(
         ins["w_next"] = prefetch_next
     if states:
         ins.update(zip(("state_out", "state_lse"), states, strict=True))
-    needs = {None: (), 0: (), 1: ("o",), 2: ("gu",), 3: ("h", "d")}[only]
+    needs = () if only is None else CARRIED[only]
     if set(carried) != set(needs):
         raise ValueError(f"phase {only} takes carried {sorted(needs)}; got {sorted(carried)}")
     ins.update((name, carried[name]) for name in needs)
@@ -1249,34 +1252,32 @@ def post_attention_phases(
     if why is not None:
         raise ValueError(f"post_attention_phases does not take this layer: {why}")
 
-    def phase(j, carried=None):
-        return layer(
-            attn if j == 0 else None,
-            x,
-            (weights[j],),
-            scale_mlp,
-            scale_next,
-            None,
-            parity=0,
-            eps=eps,
-            kv_lens=kv_lens,
-            stages=stages,
-            only=j,
-            carried=carried,
-            prefetch_next=weights[j + 1] if prefetch and j + 1 < len(weights) else None,
-            shape=shape,
-        )
-
-    o = phase(0)["o"]
-    mlp = phase(1, {"o": o})
-    d = phase(2, {"gu": mlp["gu"]})["d"]
+    kw = dict(eps=eps, shape=shape, prefetch=prefetch, kv_lens=kv_lens, stages=stages)
+    outs = run_phases(attn, x, weights, scale_mlp, scale_next, **kw)
     if wqkv is not None:
-        out = phase(3, {"h": mlp["h"], "d": d})
-        return out["h2"], out["qkv"]
-    h2, final = add_rms_norm(mlp["h"], d, scale_next, eps=eps)
+        return outs["h2"], outs["qkv"]
+    h2, final = add_rms_norm(outs["h"], outs["d"], scale_next, eps=eps)
     if kv_lens is not None:  # an inactive slot's final norm: zeros, as the persistent kernel's
         final = jnp.where(kv_lens[: x.shape[0], None] > 0, final, jnp.zeros_like(final))
     return h2, final
+
+
+def run_phases(
+    attn, x, weights, scale_mlp, scale_next, *, eps: float, shape=Shape(), prefetch=False, **kw
+) -> dict:
+    """`layer(..., only=j)` for each matrix of `weights` in turn (o, gate/up, down and, unless
+    the last layer, qkv), each fed what the kernels before it wrote (`CARRIED`); with
+    `prefetch` each asks the L2 for the next one's first weight tiles. Returns every kernel's
+    outputs by name. `kw` as `layer`'s (kv_lens, stages, the diagnostics)."""
+    outs = {}
+    for j, w in enumerate(weights):
+        nxt = weights[j + 1] if prefetch and j + 1 < len(weights) else None
+        outs |= layer(
+            attn if j == 0 else None, x, (w,), scale_mlp, scale_next, None,
+            parity=0, eps=eps, only=j, carried={n: outs[n] for n in CARRIED[j]},
+            prefetch_next=nxt, shape=shape, **kw,
+        )  # fmt: skip
+    return outs
 
 
 def norm_qkv(x, wqkv, scale, *, eps: float, kv_lens=None, stages: int = 4):
