@@ -82,7 +82,7 @@ CASE_OPTIONS = dict(
     kernel_bare_tma=OLD_STORES,
     kernel_early_tma=dict(partials="tma"),
 )
-WITH_PROLOGUES = ("kernel", "kernel_tma", "kernel_early_tma", "phases", "phases_prefetch")
+WITH_PROLOGUES = ("kernel", "kernel_tma", "kernel_early_tma")  # the persistent kernel's cases
 PHASE_CASES = ("phases", "phases_bare", "phases_prefetch")  # one kernel a phase: `direct` only
 ONE_B = Shape()  # the `1b` model's layer
 
