@@ -83,8 +83,7 @@ CASE_OPTIONS = dict(
     kernel_early_tma=dict(partials="tma"),
 )
 WITH_PROLOGUES = ("kernel", "kernel_tma", "kernel_early_tma")  # the persistent kernel's cases
-# one kernel a phase: `direct` only
-PHASE_CASES = ("phases", "phases_bare", "phases_prefetch", "phases_pdl")
+PHASE_CASES = ("phases", "phases_bare", "phases_prefetch", "phases_pdl")  # one kernel a phase: `direct` only
 ONE_B = Shape()  # the `1b` model's layer
 
 

@@ -272,8 +272,7 @@ def test_post_attention_phase_refuses_wrong_carried_outputs():
         )  # fmt: skip
 
 
-# custom calls a layer, the decode kernel's included
-LAYER_FORM_KERNELS = {"persistent": 2, "phases": 5, "phases-pdl": 5}
+LAYER_FORM_KERNELS = {"persistent": 2, "phases": 5, "phases-pdl": 5}  # custom calls a layer, the decode kernel's
 
 
 # The default form at each slot count and page table; the persistent kernel at one (CI time).
