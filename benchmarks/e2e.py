@@ -76,8 +76,6 @@ DECODE_VARIANTS = {
     "layer-1slot": (True, 1, "persistent"),
     "phases": (True, 2, "phases"),
     "phases-1slot": (True, 1, "phases"),
-    "phases-pdl": (True, 2, "phases-pdl"),
-    "phases-pdl-1slot": (True, 1, "phases-pdl"),
 }
 DEFAULT_MIN_DECODE_ROWS = engine_module.MIN_DECODE_ROWS
 DEFAULT_LAYER_PATH_ROWS = engine_module.LAYER_PATH_MIN_DECODE_ROWS

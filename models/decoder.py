@@ -46,9 +46,8 @@ LAYER_KERNEL_MAX_ROWS = 8
 # (the split merge, a norm, SwiGLU) first, beside its first weight copies
 # (`pallas_kernels.mosaic.layer.post_attention_phases`); "persistent" as one kernel with grid
 # barriers between the phases (`post_attention`), which session 48 measured at 46-47 us a
-# layer against XLA's 38.5 (benchmarks/NOTES.md, session 52); "phases-pdl" the phases, each
-# kernel a programmatic dependent of the one before (session 53, being measured).
-LAYER_FORMS = ("phases", "phases-pdl", "persistent")
+# layer against XLA's 38.5 (benchmarks/NOTES.md, session 52).
+LAYER_FORMS = ("phases", "persistent")
 
 
 class MLP(nnx.Module):
@@ -179,7 +178,6 @@ def post_attention(
     parity: int,
     kv_lens: jax.Array | None = None,
     implementation: str | None,
-    pdl: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """A decode step's layer after its attention, through the next layer's norm and qkv
     projection: the split merge, o, the residual add and norm, the MLP, the residual add, the
@@ -196,8 +194,6 @@ def post_attention(
         step's layers, which take `parity` 0 and 1 in turn; None for the other forms.
       kv_lens: the step's; the kernel skips the per-row work of inactive slots (their rows of
         the outputs undefined, of the final norm zero).
-      pdl: the phases' kernels each a programmatic dependent of the one before
-        (`post_attention_phases`).
 
     Returns:
       `(x + attention + mlp [R, hidden], qkv)`: qkv float32 partial sums [parts, R, qkv cols]
@@ -217,7 +213,7 @@ def post_attention(
 
         if counters is None:
             return mosaic.post_attention_phases(
-                states, x, weights, *scales, eps=eps, kv_lens=kv_lens, pdl=pdl
+                states, x, weights, *scales, eps=eps, kv_lens=kv_lens
             )
         return mosaic.post_attention(
             states, x, weights, *scales, counters, parity=parity, eps=eps, kv_lens=kv_lens
@@ -411,7 +407,6 @@ class Decoder(nnx.Module):
                 parity=i % 2,
                 kv_lens=meta.kv_lens,
                 implementation=implementation,
-                pdl=self.layer_form == "phases-pdl",
             )
             if not last:
                 qkv = out.reshape(out.shape[0], *shape)

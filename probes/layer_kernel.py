@@ -83,7 +83,7 @@ CASE_OPTIONS = dict(
     kernel_early_tma=dict(partials="tma"),
 )
 WITH_PROLOGUES = ("kernel", "kernel_tma", "kernel_early_tma")  # the persistent kernel's cases
-PHASE_CASES = ("phases", "phases_bare", "phases_prefetch", "phases_pdl")  # one kernel a phase: `direct` only
+PHASE_CASES = ("phases", "phases_bare", "phases_prefetch")  # one kernel a phase: `direct` only
 ONE_B = Shape()  # the `1b` model's layer
 
 
@@ -543,7 +543,6 @@ def main():
                         raise ValueError("the phases' kernels read the model's own matrices")
                     kw = dict(stages=stages, prologues=name != "phases_bare", kv_lens=lens)
                     kw["prefetch"] = name == "phases_prefetch"
-                    kw["pdl"] = name == "phases_pdl"
                     fn = jax.jit(functools.partial(phase_layers, **kw))
                     args_ = (x[:real], (attn_in, arranged, scales))
                 else:

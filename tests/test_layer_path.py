@@ -272,7 +272,7 @@ def test_post_attention_phase_refuses_wrong_carried_outputs():
         )  # fmt: skip
 
 
-LAYER_FORM_KERNELS = {"persistent": 2, "phases": 5, "phases-pdl": 5}  # custom calls a layer, the decode kernel's
+LAYER_FORM_KERNELS = {"persistent": 2, "phases": 5}  # custom calls a layer, the decode kernel's
 
 
 # The default form at each slot count and page table; the persistent kernel at one (CI time).
@@ -486,9 +486,9 @@ def test_post_attention_kernel_matches_the_reference(shape, rows, splits, last, 
 
     @jax.jit
     def run(states, x, weights, scales, kv_lens):
-        if form != "persistent":
+        if form == "phases":
             out = mosaic.post_attention_phases(
-                states, x, weights, *scales, eps=1e-6, kv_lens=kv_lens, pdl=form == "phases-pdl"
+                states, x, weights, *scales, eps=1e-6, kv_lens=kv_lens
             )
             return out, jnp.zeros((3,), jnp.int32)
         counters = layer_counters()

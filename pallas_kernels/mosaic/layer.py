@@ -635,7 +635,6 @@ def layer(
     only=None,
     carried=None,
     prefetch_next=None,
-    pdl=False,
     prologues=True,
     barriers=True,
     stores="wait",
@@ -676,11 +675,6 @@ def layer(
         program's copy warpgroup asks the L2 for the first `stages` weight tiles that the
         same program reads in the next phase's kernel (TMA prefetches, nothing waits for
         them), so that kernel's pipeline fills from the L2 (a probe option, session 52).
-      pdl: with `only`, launched as a programmatic dependent of the kernel before it: its
-        copy warpgroup streams the first weight tiles at once, while its compute warpgroup
-        waits for the kernel before to complete (`griddepcontrol.wait`) before it reads
-        anything that kernel wrote, then lets the kernel after it launch, whose programs may
-        then fill their own pipelines beside this one's (session 53).
       trap: a grid barrier that gives up aborts the kernel (`grid_barrier`) instead of
         counting in `counters[2]` and going on.
 
@@ -706,7 +700,6 @@ def layer(
     partials = partials if direct else "tma"  # `arrange`'s gate/up stores halves
     split = only is not None
     assert not split or (direct and len(w) == 1 and counters is None and only in range(4))
-    assert split or not pdl
     last = direct and not split and len(w) == 3
     qkv_only = direct and not split and len(w) == 1  # `norm_qkv`
     carried = dict(carried or {})
@@ -1036,9 +1029,6 @@ def layer(
 
         @pl.when(wg == 0)
         def _compute():
-            if pdl:  # every program, before it reads what the kernel before wrote
-                plgpu.griddepcontrol_wait()
-                plgpu.griddepcontrol_launch_dependents()
             zero = start()
 
             def compute(i, acc):
@@ -1245,7 +1235,6 @@ def post_attention_phases(
     kv_lens=None,
     stages: int = 4,
     prefetch: bool = False,
-    pdl: bool = False,
 ):
     """`post_attention` as one kernel a phase (o, gate/up, down, qkv: `layer(..., only=j)`),
     each program taking the phase's prologue (the split merge, a residual add and norm,
@@ -1256,15 +1245,14 @@ def post_attention_phases(
 
     Arguments and results as `post_attention`'s, without its counters and parity; `prefetch`:
     each kernel asks the L2 for the next one's first weight tiles (`layer`'s
-    `prefetch_next`); `pdl`: each kernel a programmatic dependent of the one before (`layer`'s
-    `pdl`)."""
+    `prefetch_next`)."""
     wqkv = weights[3] if len(weights) == 4 else None
     shape = model_shape(*weights[:3], wqkv, attn[0].shape[-1])
     why = supported(shape, x.shape[0], x.dtype, stages)
     if why is not None:
         raise ValueError(f"post_attention_phases does not take this layer: {why}")
 
-    kw = dict(eps=eps, shape=shape, prefetch=prefetch, kv_lens=kv_lens, stages=stages, pdl=pdl)
+    kw = dict(eps=eps, shape=shape, prefetch=prefetch, kv_lens=kv_lens, stages=stages)
     outs = run_phases(attn, x, weights, scale_mlp, scale_next, **kw)
     if wqkv is not None:
         return outs["h2"], outs["qkv"]
