@@ -41,6 +41,10 @@ SWIGLU_F32_MAX_TOKENS = 64
 # Decode steps of at most this many sequence slots may run the layer kernel
 # (`Decoder(layer_kernel=True)`): its products take the rows as `wgmma`'s N of 8.
 LAYER_KERNEL_MAX_ROWS = 8
+# ... and by default (`layer_kernel=None`) steps of at most this many: on an H100 (session 53,
+# unprofiled, phases) B=1 in one slot ran 1.05-1.075x XLA's layers, B=4 0.93x, B=8 0.82x
+# (benchmarks/NOTES.md, runs 243-245).
+LAYER_KERNEL_DEFAULT_MAX_ROWS = 1
 # The layer path's forms on Hopper (`Decoder.layer_form`): "phases" runs a layer's work after
 # attention as one kernel a phase (o, gate/up, down, the next qkv), each taking its prologue
 # (the split merge, a norm, SwiGLU) first, beside its first weight copies
@@ -256,11 +260,12 @@ class Decoder(nnx.Module):
     """Token ids of a ragged batch in, final hidden states out; `logits` maps them to the
     vocabulary (so a step can project only the rows it samples from).
 
-    `layer_kernel`: decode steps of at most 8 rows run each layer's work after attention in
-    Mosaic GPU kernels (`post_attention`) where they apply
-    (`runs_layer_kernel`): None (the default) where the kernels run (Hopper), True also as
-    the same structure in XLA under `implementation="xla"` (the path's reference, for tests),
-    False never. `layer_form`: the kernels' form, one of `LAYER_FORMS` (a static attribute,
+    `layer_kernel`: decode steps of few rows run each layer's work after attention in Mosaic
+    GPU kernels (`post_attention`) where they apply (`runs_layer_kernel`): None (the
+    default) steps of one row (`LAYER_KERNEL_DEFAULT_MAX_ROWS`) where the kernels run
+    (Hopper), True steps of up to 8 rows (`LAYER_KERNEL_MAX_ROWS`), also as the same
+    structure in XLA under `implementation="xla"` (the path's reference, for tests), False
+    never. `layer_form`: the kernels' form, one of `LAYER_FORMS` (a static attribute,
     so that a jitted step traces each form apart)."""
 
     def __init__(
@@ -332,17 +337,18 @@ class Decoder(nnx.Module):
         self, num_tokens: int, kv_pages: KVPages, meta: jaxpaged.StepMetadata, implementation
     ) -> bool:
         """Whether a step runs `_decode_layer_kernel`: unless `layer_kernel` is False, a
-        decode step of at most 8 rows without shared prefixes or tensor parallelism, a model
-        without projection biases; on Hopper where the Mosaic GPU decode kernel folds
-        `rope_append` and `pallas_kernels.mosaic.layer` takes the shape (bfloat16), or with
-        `layer_kernel` True and `implementation` "xla" anywhere (the same structure in XLA:
-        the path's reference)."""
+        decode step of at most 8 rows (1 unless `layer_kernel` is True) without shared
+        prefixes or tensor parallelism, a model without projection biases; on Hopper where
+        the Mosaic GPU decode kernel folds `rope_append` and `pallas_kernels.mosaic.layer`
+        takes the shape (bfloat16), or with `layer_kernel` True and `implementation` "xla"
+        anywhere (the same structure in XLA: the path's reference)."""
         config = self.config
         if self.layer_kernel is False or not (meta.decode and meta.kv_slots is not None):
             return False
         if meta.prefix_groups is not None or jaxpaged.layers.tensor_parallel_size() > 1:
             return False
-        if config.qkv_bias or config.o_bias or num_tokens > LAYER_KERNEL_MAX_ROWS:
+        max_rows = LAYER_KERNEL_MAX_ROWS if self.layer_kernel else LAYER_KERNEL_DEFAULT_MAX_ROWS
+        if config.qkv_bias or config.o_bias or num_tokens > max_rows:
             return False
         if implementation == "xla":
             return self.layer_kernel is True
