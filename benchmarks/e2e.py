@@ -33,6 +33,13 @@ matmuls, attention and the rest, and the kernels per step: what the wall time sp
 kernels is launch gaps and host work. (The first CUPTI capture of a process has been seen to
 miss most kernels, so one is run and thrown away first: see `benchmarks/NOTES.md`.)
 
+`--decode-variants plain layer layer-1slot phases phases-1slot` runs each decode batch of at
+most 8 rows once per variant, beside the same anchors: the step's own XLA layers
+(`--no-layer-kernel`), the layer kernel path (`Decoder(layer_kernel=True)`) as the persistent
+kernel in at least two sequence slots, and that path with one slot at B=1
+(`models.engine.LAYER_PATH_MIN_DECODE_ROWS`, the engine's default: the step's only dot left to
+XLA is then the logits); `phases` the same with one kernel a phase (`Decoder.layer_form`).
+
 `--model PATH` runs a Hugging Face checkpoint (`models.checkpoint.load_pretrained`) instead of
 a built-in config, and the HF anchor then loads the same folder.
 
@@ -54,11 +61,24 @@ from flax import nnx
 
 import jaxpaged
 from benchmarks.common import print_table, roomy_engine_config, write_results
+from models import engine as engine_module
 from models.checkpoint import load_pretrained
 from models.config import CONFIGS, EngineConfig
-from models.decoder import Decoder
+from models.decoder import LAYER_KERNEL_MAX_ROWS, Decoder
 from models.engine import Engine, Stats, compiler_options, step_xla_options
 from models.scheduler import SamplingParams
+
+# `--decode-variants`: name -> (`Decoder.layer_kernel`, the fewest slots of a decode step
+# through the layer path, `models.engine.LAYER_PATH_MIN_DECODE_ROWS`, `Decoder.layer_form`).
+DECODE_VARIANTS = {
+    "plain": (False, None, None),
+    "layer": (True, 2, "persistent"),
+    "layer-1slot": (True, 1, "persistent"),
+    "phases": (True, 2, "phases"),
+    "phases-1slot": (True, 1, "phases"),
+}
+DEFAULT_MIN_DECODE_ROWS = engine_module.MIN_DECODE_ROWS
+DEFAULT_LAYER_PATH_ROWS = engine_module.LAYER_PATH_MIN_DECODE_ROWS
 
 
 def _engine(
@@ -409,6 +429,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--profile", action="store_true", help="CUPTI GPU time per step")
     parser.add_argument(
+        "--layer-kernel",
+        action="store_const",
+        const=True,
+        default=None,
+        help="decode steps of at most 8 rows run `Decoder(layer_kernel=True)`'s path (the "
+        "default: where its kernels run)",
+    )
+    parser.add_argument(
+        "--no-layer-kernel",
+        dest="layer_kernel",
+        action="store_const",
+        const=False,
+        help="decode steps run the step's own XLA layers",
+    )
+    parser.add_argument(
+        "--min-decode-rows",
+        type=int,
+        default=None,
+        help="the fewest sequence slots of a decode step (models.engine.MIN_DECODE_ROWS)",
+    )
+    parser.add_argument(
+        "--decode-variants",
+        nargs="*",
+        choices=sorted(DECODE_VARIANTS),
+        default=None,
+        help="decode batches of at most 8 rows run once in each (the model's path and the "
+        "fewest slots), beside the same anchors; larger batches once as the flags say",
+    )
+    parser.add_argument(
         "--top-kernels", type=int, default=12, help="with --profile: the costliest kernels listed"
     )
     parser.add_argument(
@@ -466,6 +515,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         jaxpaged.layers.DECODE_OUTPUT_SPLIT_K_MAX_TOKENS = args.output_split_k_max_tokens
     if args.output_split_k is not None:
         jaxpaged.layers.DECODE_OUTPUT_SPLIT_K = args.output_split_k
+    if args.min_decode_rows is not None:
+        engine_module.MIN_DECODE_ROWS = args.min_decode_rows
     hf = _hf_anchor(args) if args.hf else None  # first: torch needs the GPU's memory
     if args.profile and jax.default_backend() == "gpu":
         _discard_first_capture()
@@ -477,6 +528,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             args.no_baseline = True
     else:
         model = Decoder(CONFIGS[args.config], rngs=nnx.Rngs(0))
+    model_layer_kernel = model.layer_kernel if args.layer_kernel is None else args.layer_kernel
+    model_layer_form = model.layer_form
+    model.layer_kernel = model_layer_kernel
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     extra = tuple(_xla_option(text) for text in args.xla_option)
@@ -526,10 +580,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
             record(_prefill_case(engine, prompts, "batch_prefill", chunk, args))
 
     copy_tb_s = _copy_bandwidth() if jax.default_backend() == "gpu" else None
-    for batch in args.batches:
-        prompts = rng.integers(0, vocab, (batch, args.ctx))
+    variants = args.decode_variants or [None]
+    runs = [
+        (batch, variant)
+        for batch in args.batches
+        for variant in (variants if batch <= LAYER_KERNEL_MAX_ROWS else [None])
+    ]
+    baselines = {}
+    for batch, variant in runs:
+        prompts = np.random.default_rng([batch, args.ctx]).integers(0, vocab, (batch, args.ctx))
         steps, budget = args.new_tokens - 1, max(2048, args.ctx)  # the first token: prefill's
         max_len = args.ctx + _decode_budget(batch, args.ctx, steps, budget) + 1
+        layer_kernel, path_rows, form = DECODE_VARIANTS.get(
+            variant, (model_layer_kernel, None, None)
+        )
+        model.layer_kernel = layer_kernel
+        engine_module.LAYER_PATH_MIN_DECODE_ROWS = path_rows or DEFAULT_LAYER_PATH_ROWS
+        model.layer_form = form or model_layer_form
         engine = make(max_seqs=batch, budget=budget, max_len=max_len)
         # Compile, and warm up on other prompts of the same length, so that the warm-up runs
         # what the window runs. (Until the engine compiled its pool updates when built, the
@@ -539,6 +606,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         case = dict(
             kind="decode", batch=batch, ctx=args.ctx, decode_steps=engine.config.decode_steps
         )
+        if variant is not None:
+            case["variant"] = variant
+        case.update(layer_kernel=layer_kernel, decode_rows=engine.decode_rows)
+        case["layer_form"] = model.layer_form
         case.update(_decode_part(engine, prompts.tolist(), steps))
         case["block_ms"] = case["wall_ms_per_step"] * engine.config.decode_steps
         if args.profile:
@@ -559,11 +630,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             case["vs_hf"] = case["tokens_per_s"] / anchor["tokens_per_s"]
             case["hf_versions"] = f"torch {hf['torch']}, transformers {hf['transformers']}"
         if not args.no_baseline:
-            # Its cache as long as the tokens it generates (XLA attention reads all of it).
-            case["baseline_tokens_per_s"] = _dense_decode_tokens_per_s(
-                model, prompts, args.ctx + args.new_tokens + 1, args.new_tokens
-            )
+            # Its cache as long as the tokens it generates (XLA attention reads all of it);
+            # once per batch: it runs no engine, so no variant changes it.
+            if batch not in baselines:
+                baselines[batch] = _dense_decode_tokens_per_s(
+                    model, prompts, args.ctx + args.new_tokens + 1, args.new_tokens
+                )
+            case["baseline_tokens_per_s"] = baselines[batch]
+        if args.min_decode_rows is not None:
+            case["min_decode_rows"] = args.min_decode_rows
         record(case)
+    model.layer_kernel = model_layer_kernel
+    engine_module.LAYER_PATH_MIN_DECODE_ROWS = DEFAULT_LAYER_PATH_ROWS
+    engine_module.MIN_DECODE_ROWS = DEFAULT_MIN_DECODE_ROWS
+    model.layer_form = model_layer_form
 
     implementation = {
         op: jaxpaged.resolve_implementation(op, args.implementation, model.config.dtype)
@@ -577,6 +657,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             + "".join(f", {name}={value} (decode)" for name, value in decode_extra),
             implementation=implementation["ragged" if case["kind"] == "prefill" else "decode"],
         )
+        if case["kind"] != "decode":
+            case["layer_kernel"] = model_layer_kernel
     if args.out:
         write_results(args.out, "e2e", cases)
     return cases

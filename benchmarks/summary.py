@@ -144,6 +144,14 @@ def mixed_table(res: Results) -> list[str]:
     ]
 
 
+# `benchmarks.e2e --decode-variants`, as the table names them.
+_VARIANTS = {
+    "plain": "XLA layers",
+    "layer": "layer kernel",
+    "layer-1slot": "layer kernel, one slot",
+}
+
+
 def e2e_table(res: Results) -> list[str]:
     # Each prefill kind (one prompt, a batch of prompts) against its own single-shot row.
     single = {
@@ -157,6 +165,8 @@ def e2e_table(res: Results) -> list[str]:
             what = f"prefill {c['prompts']} x {c['tokens']} tokens, chunk {c['chunk']}"
         else:
             what = f"decode B={c['batch']} ctx {c['ctx']}"
+            if "variant" in c:
+                what += f", {_VARIANTS.get(c['variant'], c['variant'])}"
         base = c.get("baseline_tokens_per_s")
         ref = single.get(c["kind"])
         chunked = c["kind"] != "decode" and c["chunk"] != "single-shot" and ref

@@ -459,7 +459,7 @@ def _rope_angles(positions, head_dim, theta, scaling) -> tuple[jax.Array, jax.Ar
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def _folds_rope(qkv, k_pages, v_pages, meta, implementation) -> bool:
+def folds_rope(qkv, k_pages, v_pages, meta, implementation) -> bool:
     """Whether a step's `rope_append` and attention run as one Mosaic GPU kernel
     (`pallas_kernels.mosaic.paged_decode.rope_append_decode_attention`): a decode step without
     shared prefixes whose attention runs the Mosaic GPU decode kernel (`implementation`
@@ -606,43 +606,9 @@ class PagedAttention(nnx.Module):
         tp = tensor_parallel_size()
         if tp == 1 and meta.kv_slots is not None:
             qkv = self._qkv(x, partial=True)
-            q_scale = None if self.q_norm is None else self.q_norm.scale[...]
-            k_scale = None if self.k_norm is None else self.k_norm.scale[...]
-            if _folds_rope(qkv, k_pages, v_pages, meta, implementation):
-                from pallas_kernels.mosaic import paged_decode as mosaic  # noqa: PLC0415
-
-                angles = _rope_angles(
-                    meta.positions, self.head_dim, self.rope_theta, self.rope_scaling
-                )
-                out, _, k_pages, v_pages = mosaic.rope_append_decode_attention(
-                    qkv,
-                    *angles,
-                    q_scale,
-                    k_scale,
-                    k_pages,
-                    v_pages,
-                    meta.kv_slots,
-                    meta.kv_lens,
-                    meta.page_indices,
-                    eps=self.eps,
-                    sm_scale=self.head_dim**-0.5,
-                    sliding_window=self.sliding_window,
-                )
-            else:
-                q, k_pages, v_pages = rope_append(
-                    qkv,
-                    meta.positions,
-                    k_pages,
-                    v_pages,
-                    meta.kv_slots,
-                    theta=self.rope_theta,
-                    scaling=self.rope_scaling,
-                    q_scale=q_scale,
-                    k_scale=k_scale,
-                    eps=self.eps,
-                    implementation=implementation,
-                )
-                out, k_pages, v_pages = attend(q, None, None, k_pages, v_pages, meta)
+            out, k_pages, v_pages = self._rope_attend(
+                qkv, k_pages, v_pages, meta, implementation, merge=True
+            )
             out = out.reshape(num_tokens, -1).astype(x.dtype)
             split = partial_sums and self.o_proj.bias is None
             splits = decode_split_k(out, output=True) if split else 1
@@ -666,6 +632,91 @@ class PagedAttention(nnx.Module):
         out, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, meta)
         out = self.o_proj(out.reshape(num_tokens, -1).astype(x.dtype))
         return out, k_pages, v_pages
+
+    def attend_states(
+        self,
+        qkv: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        meta: StepMetadata,
+        *,
+        implementation: str | None = None,
+    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array, jax.Array]:
+        """A decode step's attention from its qkv projection, left as split-KV states for a
+        caller that merges them (`models.decoder.post_attention`); without tensor
+        parallelism or shared prefixes, with `meta.kv_slots`.
+
+        Args:
+          qkv: `_qkv(x, partial=True)`: [T, Hkv, G + 2, D], or float32 partial sums of it.
+          k_pages, v_pages, meta, implementation: as `__call__`'s (a decode step).
+
+        Returns:
+          `((out [S, splits, Hq, D], lse f32[S, splits, Hq]), k_pages, v_pages)`: the
+          Mosaic GPU decode kernel's unmerged states where it folds `rope_append`
+          (`folds_rope`), else one split (the merged output and its LSE).
+        """
+        if not meta.decode or meta.kv_slots is None or meta.prefix_groups is not None:
+            raise ValueError(
+                "attend_states takes a decode step's metadata with its kv_slots and no prefix "
+                "groups"
+            )
+        return self._rope_attend(qkv, k_pages, v_pages, meta, implementation, merge=False)
+
+    def _rope_attend(self, qkv, k_pages, v_pages, meta, implementation, *, merge):
+        """`rope_append` and attention from the qkv projection, one Mosaic GPU kernel where
+        `folds_rope`: `(out [T, Hq, D], k_pages, v_pages)`; without `merge` (a decode step)
+        `((out [S, splits, Hq, D], lse [S, splits, Hq]), k_pages, v_pages)`."""
+        q_scale = None if self.q_norm is None else self.q_norm.scale[...]
+        k_scale = None if self.k_norm is None else self.k_norm.scale[...]
+        if folds_rope(qkv, k_pages, v_pages, meta, implementation):
+            from pallas_kernels.mosaic import paged_decode as mosaic  # noqa: PLC0415
+
+            angles = _rope_angles(meta.positions, self.head_dim, self.rope_theta, self.rope_scaling)
+            out, lse, k_pages, v_pages = mosaic.rope_append_decode_attention(
+                qkv,
+                *angles,
+                q_scale,
+                k_scale,
+                k_pages,
+                v_pages,
+                meta.kv_slots,
+                meta.kv_lens,
+                meta.page_indices,
+                eps=self.eps,
+                sm_scale=self.head_dim**-0.5,
+                sliding_window=self.sliding_window,
+                merge=merge,
+            )
+            return (out if merge else (out, lse)), k_pages, v_pages
+        q, k_pages, v_pages = rope_append(
+            qkv,
+            meta.positions,
+            k_pages,
+            v_pages,
+            meta.kv_slots,
+            theta=self.rope_theta,
+            scaling=self.rope_scaling,
+            q_scale=q_scale,
+            k_scale=k_scale,
+            eps=self.eps,
+            implementation=implementation,
+        )
+        attend = functools.partial(
+            _attend, sliding_window=self.sliding_window, implementation=implementation
+        )
+        if merge:
+            return attend(q, None, None, k_pages, v_pages, meta)
+        out, lse = paged_decode_attention(
+            q,
+            k_pages,
+            v_pages,
+            meta.kv_lens,
+            meta.page_indices,
+            sliding_window=self.sliding_window,
+            implementation=implementation,
+            return_lse=True,
+        )
+        return (out[:, None], lse[:, None]), k_pages, v_pages
 
     def _qkv(self, x: jax.Array, partial: bool = False) -> jax.Array:
         """x [T, hidden] -> the projection [T, Hkv, G + 2, D] (`fuse_qkv`'s order); with

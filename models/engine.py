@@ -61,6 +61,12 @@ from models.scheduler import Plan, SamplingParams, Scheduler, Sequence
 # passes over the weight matrix instead of one (shared/GPU.md, the B=1 decode profile). Decode
 # steps and blocks therefore run at least two sequence slots; the second is padding at B=1.
 MIN_DECODE_ROWS = 2
+# ... unless a decode step of one row runs the model's layer path
+# (`Decoder.runs_layer_kernel`): its projections are kernels then, and the one dot left to XLA,
+# the logits, is above the size XLA rewrites (10M elements). One slot gives the decode kernel
+# the splits of one sequence and the layer kernel no padding row (benchmarks/NOTES.md,
+# session 47).
+LAYER_PATH_MIN_DECODE_ROWS = 1
 
 
 class StepInputs(NamedTuple):
@@ -262,6 +268,25 @@ def _forward(
         shared_prefix=shared_prefix,
     )
     return kv_pages, pool, ok, meta, hidden, model
+
+
+def _fewest_decode_rows(
+    model: Decoder, config: EngineConfig, implementation: str | None, mesh
+) -> int:
+    """`MIN_DECODE_ROWS`, or `LAYER_PATH_MIN_DECODE_ROWS` where a decode step of that many
+    rows runs the model's layer path (not under tensor parallelism)."""
+    rows = LAYER_PATH_MIN_DECODE_ROWS
+    if mesh is not None or rows >= MIN_DECODE_ROWS:
+        return MIN_DECODE_ROWS
+    page = jax.ShapeDtypeStruct(
+        (config.num_pages, config.page_size, model.config.num_kv_heads, model.config.head_dim),
+        model.config.dtype,
+    )
+    table = jnp.zeros((rows, config.pages_per_seq), jnp.int32)
+    cached = jnp.zeros(rows, jnp.int32)
+    meta = _decode_metadata(cached, table, cached == 0, jnp.int32(0), config.page_size)
+    pages = [(page, page)] * model.config.num_layers
+    return rows if model.runs_layer_kernel(rows, pages, meta, implementation) else MIN_DECODE_ROWS
 
 
 def _decode_metadata(
@@ -813,7 +838,9 @@ class Engine:
         self.config = config
         self.implementation = implementation
         self.overlap = overlap
-        self.decode_rows = max(MIN_DECODE_ROWS, config.max_seqs)
+        self.decode_rows = max(
+            _fewest_decode_rows(model, config, implementation, mesh), config.max_seqs
+        )
         self.mesh = mesh
         self.graphdef, self.params = nnx.split(model)
         if mesh is not None:

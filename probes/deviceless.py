@@ -12,7 +12,7 @@ The plugin, without the NVIDIA libraries (~1 GB in all, not a dependency of the 
 
     pip install -c constraints.txt jax jaxlib flax numpy safetensors tokenizers
     pip install -c constraints.txt --no-deps jax-cuda13-plugin jax-cuda13-pjrt
-    JAX_PLATFORMS=cpu python -m probes.deviceless --batch 1 [--min-decode-rows N] [--dump F]
+    JAX_PLATFORMS=cpu python -m probes.deviceless --batch 1 [--no-layer-kernel] [--dump F]
 
 It lists the kernels of one decode step of the engine's block (the `while` body and its
 condition), then counts them by kind.
@@ -36,7 +36,7 @@ from benchmarks.common import roomy_engine_config
 from jaxpaged import dispatch
 from models import engine as engine_module
 from models.config import CONFIGS
-from models.decoder import Decoder
+from models.decoder import LAYER_FORMS, Decoder
 from models.engine import Engine
 
 TARGET = Path(__file__).with_name("h200_target.txtpb")
@@ -194,39 +194,60 @@ def kernels(text: str, matrix_elements: int = 2048 * 2048) -> list[Kernel]:
     return found
 
 
-def decode_block_hlo(batch: int, *, layers: int, min_decode_rows: int | None) -> tuple[str, int]:
+def decode_block_hlo(
+    batch: int,
+    *,
+    layers: int,
+    layer_kernel: bool | None,
+    min_decode_rows: int | None,
+    layer_form: str = "phases",
+) -> tuple[str, int]:
     """The engine's greedy decode block for `1b` with `layers` layers at `batch` sequences,
-    compiled for an H200: its HLO text and the decode step's rows (slots)."""
+    compiled for an H200: its HLO text and the decode step's rows (slots). `layer_kernel`,
+    `layer_form`: `Decoder`'s; `min_decode_rows`: default the engine's choice on an H200."""
     config = dataclasses.replace(CONFIGS["1b"], num_layers=layers)
+    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=layer_kernel, layer_form=layer_form)
     saved = engine_module.MIN_DECODE_ROWS
-    if min_decode_rows is not None:
-        engine_module.MIN_DECODE_ROWS = min_decode_rows
     try:
-        model = Decoder(config, rngs=nnx.Rngs(0))
         engine_config = roomy_engine_config(
             page_size=16, budget=2048, max_seqs=batch, max_len=4096, mixed_step_tokens=()
         )
+        if min_decode_rows is None:  # what the engine picks on an H200, for Mosaic GPU
+            with as_if_on_hopper():
+                min_decode_rows = engine_module._fewest_decode_rows(
+                    model, engine_config, "mosaic", None
+                )
+        engine_module.MIN_DECODE_ROWS = min_decode_rows
         # Built with the XLA implementation (nothing of it runs here); traced for Mosaic GPU.
         engine = Engine(model, engine_config, implementation="xla")
     finally:
         engine_module.MIN_DECODE_ROWS = saved
-    text = compile_for_hopper(
-        engine._block_fns[False],
-        engine.param_leaves,
-        engine.kv_pages,
-        engine.pool,
-        engine._block_inputs([]),
-        num_steps=engine_config.decode_steps,
-        implementation="mosaic",
-        sampling_case=0,
+    fn, args, static = greedy_decode_block(engine)
+    return compile_for_hopper(fn, *args, **static), engine.decode_rows
+
+
+def greedy_decode_block(engine: Engine, implementation: str = "mosaic"):
+    """The engine's jitted decode block with no rows, as `(fn, args, static)` for
+    `fn.trace(*args, **static)`: its greedy form (`sampling_case` 0) over the engine's own
+    parameters, pages and pool."""
+    args = (engine.param_leaves, engine.kv_pages, engine.pool, engine._block_inputs([]))
+    static = dict(
+        num_steps=engine.config.decode_steps, implementation=implementation, sampling_case=0
     )
-    return text, engine.decode_rows
+    return engine._block_fns[False], args, static
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=CONFIGS["1b"].num_layers)
+    parser.add_argument(
+        "--layer-kernel", action=argparse.BooleanOptionalAction, default=None,
+        help="Decoder(layer_kernel=...); default the model's (None)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--layer-form", default="phases", choices=LAYER_FORMS, help="Decoder(layer_form=...)"
+    )
     parser.add_argument("--min-decode-rows", type=int, default=None)
     parser.add_argument("--dump", type=Path, help="write the optimized HLO here")
     parser.add_argument("--json", action="store_true", help="the counts as one JSON line")
@@ -234,7 +255,9 @@ def main():
     text, rows = decode_block_hlo(
         args.batch,
         layers=args.layers,
+        layer_kernel=args.layer_kernel,
         min_decode_rows=args.min_decode_rows,
+        layer_form=args.layer_form,
     )
     if args.dump:
         args.dump.write_text(text)

@@ -49,15 +49,17 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, memref, scf
+from jax._src.lib.mlir.dialects import memref
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.common import environment, error_text, kernel_time_ms, step_time_ms
 from pallas_kernels.common import device_num_sms
+from pallas_kernels.mosaic.layer import grid_barrier, proxy_fence, select
 from pallas_kernels.mosaic.pipeline import TILED
 
 HIDDEN, QKV, INTER = 2048, 4096, 6144
@@ -219,15 +221,6 @@ def stream(
     )(x, w)
 
 
-def select(values, index):
-    """values[index] for a static list (of ints or traced int32 scalars) and a traced index
-    (Mosaic GPU indexes no constants)."""
-    out = jnp.asarray(values[0], jnp.int32)
-    for j, v in enumerate(values[1:], 1):
-        out = jnp.where(index == j, jnp.asarray(v, jnp.int32), out)
-    return out
-
-
 def _fetch_add(counter, claim_smem):
     """claim_smem[0] = atomicAdd(counter, 1) for the whole warpgroup: one thread's relaxed
     GPU-scope `atom.add` (Pallas' `atomic_add` returns nothing), handed to the others through
@@ -250,67 +243,6 @@ def _fetch_add(counter, claim_smem):
         mgpu_utils.warpgroup_barrier()
 
     fetch(counter, claim_smem)
-
-
-# Polls before a barrier gives up (about a second under load): a wrong barrier then shows as a
-# count in `counters[2]` instead of a kernel that never ends.
-MAX_POLLS = 1 << 20
-
-
-def grid_barrier(counters, parity: int, barrier: int, num_programs: int):
-    """The warpgroups of all `num_programs` programs meet at `counters[parity, barrier]`: one
-    thread's release add of 1 at GPU scope, then its acquire poll until the count reaches
-    `num_programs`, as `plgpu.semaphore_signal` / `semaphore_wait` do on their own
-    semaphores, on a plain int32 ref that outlives the call ([3, barriers]). After
-    `MAX_POLLS` polls the program goes on and adds 1 to `counters[2, barrier]`, which a
-    caller reads to know that the barrier failed."""
-    width = counters.shape[1]
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def meet(ctx, counters_ref):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        base = mgpu_utils.memref_ptr(counters_ref)
-        ptr = mgpu_utils.getelementptr(base, [parity * width + barrier], i32)
-        failed = mgpu_utils.getelementptr(base, [2 * width + barrier], i32)
-        mgpu_utils.warpgroup_barrier()  # every thread's stores before the one thread's release
-        mgpu_utils.SemaphoreRef(ptr).signal(1, memory_scope="gpu")
-        with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
-            loop = scf.WhileOp([i32, i32], [mgpu_utils.c(0, i32), mgpu_utils.c(0, i32)])
-            before = loop.before.blocks.append(i32, i32)
-            with ir.InsertionPoint(before):
-                polls, _ = before.arguments
-                count = mgpu_utils.inline_ptx(
-                    "ld.relaxed.gpu.global.b32 $0, [$1];",
-                    ptr,
-                    result_types=i32,
-                    has_side_effects=True,
-                )
-                short = arith.cmpi(arith.CmpIPredicate.ult, count, mgpu_utils.c(num_programs, i32))
-                more = arith.cmpi(arith.CmpIPredicate.ult, polls, mgpu_utils.c(MAX_POLLS, i32))
-                polls = arith.addi(polls, mgpu_utils.c(1, i32))
-                scf.condition(arith.andi(short, more), [polls, count])
-            after = loop.after.blocks.append(i32, i32)
-            with ir.InsertionPoint(after):
-                scf.yield_(after.arguments)
-            _, count = loop.results
-            gave_up = arith.cmpi(arith.CmpIPredicate.ult, count, mgpu_utils.c(num_programs, i32))
-            with mgpu_utils.when(gave_up):
-                mgpu_utils.inline_ptx(
-                    "red.relaxed.gpu.global.add.u32 [$0], 1;", failed, has_side_effects=True
-                )
-            mgpu_utils.inline_ptx("fence.acquire.gpu;", has_side_effects=True)
-        mgpu_utils.warpgroup_barrier()
-
-    meet(counters)
-
-
-@plgpu.inline_mgpu()
-def proxy_fence(ctx):
-    """Orders this thread's TMA (async proxy) accesses of global memory against its ordinary
-    ones: stores complete before a barrier's arrival, loads after its release."""
-    del ctx
-    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
 def stream_ws(
@@ -606,6 +538,66 @@ def barrier_trace(path, sm_ghz=1.98):
     return report
 
 
+def program_spans(path, sm_ghz=1.98):
+    """Per named region of one profiled call: each traced warpgroup's first (SM, begin, end,
+    trace id) in us from the call's first event (`barrier_trace`'s clock)."""
+    with open(path) as f:
+        events = sorted(json.load(f)["traceEvents"], key=lambda e: e["ts"])
+    start, spans = {}, {}
+    for e in events:
+        start.setdefault(e["tid"], e["ts"])
+    origin = min(start.values())
+    for e in events:
+        t0 = start[e["tid"]]
+        real = t0 + (e["ts"] - t0) / sm_ghz - origin
+        span = spans.setdefault(e["name"], {}).setdefault(
+            e["tid"], [e["pid"] - 1, None, None, e["tid"]]
+        )
+        if e["ph"] == "B" and span[1] is None:
+            span[1] = real
+        elif e["ph"] == "E" and span[2] is None:
+            span[2] = real
+    return {name: list(by_program.values()) for name, by_program in spans.items()}
+
+
+def lateness(reports, names, at=1):
+    """For each region in `names`, over profiled calls (`program_spans`' reports): the
+    arrivals' percentiles after the call's median arrival (`at` 2: the ends'), the release
+    after the last arrival, and how much of a program's lateness its SM explains (the
+    variance of the SMs' mean lateness over the variance of all; ~1 / calls when the SM does
+    not matter), with the SMs latest on average and their trace ids."""
+    out = {}
+    for name in names:
+        late, release, by_sm, tids = [], [], {}, {}
+        for report in reports:
+            spans = [s for s in report.get(name, []) if s[1] is not None and s[2] is not None]
+            if not spans:
+                continue
+            begins = np.array([s[at] for s in spans])
+            median = float(np.median(begins))
+            release.append(float(np.median([s[2] for s in spans]) - begins.max()))
+            for span in spans:
+                late.append(span[at] - median)
+                by_sm.setdefault(span[0], []).append(span[at] - median)
+                tids.setdefault(span[0], set()).add(span[3])
+        if not late:
+            continue
+        late = np.array(late)
+        means = {sm: float(np.mean(v)) for sm, v in by_sm.items()}
+        share = float(np.var(list(means.values())) / max(np.var(late), 1e-12))
+        worst = sorted(means, key=means.get, reverse=True)[:8]
+        out[name] = dict(
+            late_p10_p50_p90_max_us=[
+                round(float(np.percentile(late, q)), 3) for q in (10, 50, 90, 100)
+            ],
+            release_after_last_us=round(float(np.median(release)), 3),
+            sm_share=round(share, 3),
+            latest_sms={int(sm): round(means[sm], 3) for sm in worst},
+            latest_trace_ids={int(sm): sorted(tids[sm]) for sm in worst},
+        )
+    return out
+
+
 def fused_layers(xs, ws, **kw):
     return [stream(xs, w, phase_cols=PHASE_COLS, **kw) for w in ws]
 
@@ -656,12 +648,17 @@ def traces(profile_dir, case, x, ws):
     layers = fused_layers if case["case"] == "fused" else ws_layers
     jax.block_until_ready(jax.jit(functools.partial(layers, profile_dir=directory, **kw))(x, ws))
     out = []
-    for path in sorted(glob.glob(os.path.join(directory, "*.json")))[-LAYERS:]:
+    paths = sorted(glob.glob(os.path.join(directory, "*.json")))[-LAYERS:]
+    for path in paths:
         trace = dict(case="trace", of=case["case"], rows=case["rows"], **kw)
         trace.update(file=os.path.basename(path), **barrier_trace(path))
         print(json.dumps(trace), flush=True)
         out.append(trace)
-    return out
+    names = [f"barrier{b}" for b in range(len(PHASE_COLS) - 1)] + ["kernel"]
+    late = dict(case="lateness", of=case["case"], rows=case["rows"], **kw)
+    late.update(lateness([program_spans(path) for path in paths], names))
+    print(json.dumps(late), flush=True)
+    return out + [late]
 
 
 def main():

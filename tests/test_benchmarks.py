@@ -169,3 +169,29 @@ def test_e2e_decode_reports_its_rate_after_the_first_block():
         steady_ms = case["steady_ms_per_step"]
         assert 0 < steady_ms * after_first < case["wall_ms_per_step"] * case["steps"]
         assert case["steady_tokens_per_s"] == pytest.approx(case["batch"] * 1e3 / steady_ms)
+
+
+def test_e2e_decode_variants_run_beside_the_same_anchors():
+    """`--decode-variants`: each small decode batch once per variant (the layer path through
+    its XLA structure here), in the slots the variant asks for; the engine's own minimum is
+    back afterwards, and the README table names each variant."""
+    from benchmarks import e2e  # noqa: PLC0415
+    from models import engine  # noqa: PLC0415
+
+    argv = ["--smoke", "--skip-prefill", "--implementation", "xla", "--batches", "1"]
+    argv += ["--decode-variants", "plain", "layer-1slot"]
+    cases = [c for c in e2e.main(argv) if c.get("kind") == "decode"]
+    assert [(c["batch"], c["variant"]) for c in cases] == [
+        (1, "plain"),
+        (1, "layer-1slot"),
+        (4, "plain"),
+        (4, "layer-1slot"),
+    ]
+    assert [c["decode_rows"] for c in cases] == [2, 1, 4, 4]
+    assert [c["layer_kernel"] for c in cases] == [False, True, False, True]
+    assert cases[0]["baseline_tokens_per_s"] == cases[1]["baseline_tokens_per_s"]
+    assert engine.MIN_DECODE_ROWS == e2e.DEFAULT_MIN_DECODE_ROWS
+    assert engine.LAYER_PATH_MIN_DECODE_ROWS == e2e.DEFAULT_LAYER_PATH_ROWS
+    table = "\n".join(summary.e2e_table(results.Results("e2e", Path("e.json"), {}, cases)))
+    assert "decode B=1 ctx 40, XLA layers" in table
+    assert "decode B=1 ctx 40, layer kernel, one slot" in table

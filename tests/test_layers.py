@@ -361,7 +361,7 @@ def test_decode_steps_fold_rope_append_into_the_mosaic_decode_kernel(monkeypatch
             page_indices=np.zeros((seqs, 80)),
         )
         step = type("Meta", (), {**step, **meta})
-        return layers._folds_rope(qkv, pages, pages, step, implementation)
+        return layers.folds_rope(qkv, pages, pages, step, implementation)
 
     assert folds() and folds(implementation="mosaic") and folds(seqs=1, head_dim=64)
     assert folds(qkv_dtype=jnp.bfloat16)  # an unsplit projection in the pages' dtype

@@ -127,26 +127,38 @@ def _row(x, parts, scale, sum_out, normed_out, warp_sums, *, eps, partial, threa
             squares = square if squares is None else arith.addf(squares, square)
         # RMSNorm as flax's `nnx.RMSNorm` computes it: float32 statistics of the rounded sum,
         # the row times (rsqrt * scale), rounded to the dtype.
-        lane_total = None
-        for e in range(_RUN):
-            item = vector.extract(
-                squares, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e])
-            )
-            lane_total = item if lane_total is None else arith.addf(lane_total, item)
-        warp_total = mgpu_utils.warp_tree_reduce(lane_total, arith.addf, 32)
-        warp = arith.index_cast(index, arith.divui(tid, c32(32)))
-        with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, c32(32)), c32(0))):
-            memref.store(warp_total, warp_sums, [warp])
-        gpu.barrier()
-        num_warps = ir.MemRefType(warp_sums.type).shape[0]
-        sum_sq = memref.load(warp_sums, [mgpu_utils.c(0, index)])
-        for w in range(1, num_warps):
-            sum_sq = arith.addf(sum_sq, memref.load(warp_sums, [mgpu_utils.c(w, index)]))
-        mean = arith.divf(sum_sq, mgpu_utils.c(float(hidden), f32))
-        r = vector.broadcast(vec(f32), mlir_math.rsqrt(arith.addf(mean, mgpu_utils.c(eps, f32))))
+        inv = inverse_rms(squares, warp_sums, tid, hidden=hidden, eps=eps, barrier=gpu.barrier)
+        r = vector.broadcast(vec(f32), inv)
         for (valid, col), (_, _, s_run), total in zip(runs, loaded, totals, strict=True):
             with mgpu_utils.when(valid):
                 vector.store(to_dtype(total), sum_out, [col])
                 vector.store(to_dtype(arith.mulf(total, arith.mulf(r, s_run))), normed_out, [col])
 
     row(x, parts, scale, sum_out, normed_out, warp_sums)
+
+
+def inverse_rms(squares, warp_sums, tid, *, hidden: int, eps: float, barrier):
+    """Per-thread code (inside `plgpu.inline_mgpu`): `rsqrt(mean(row ** 2) + eps)` of a row
+    spread over a program's threads. Each thread holds `squares`, a vector of its columns'
+    squares (zero past the row's end); thread `tid`'s lanes are summed, then a butterfly within
+    each warp, then the warps' totals through `warp_sums` (f32[warps], shared memory) after
+    `barrier()`. Returns the float32 scalar."""
+    i32, index, f32 = ir.IntegerType.get_signless(32), ir.IndexType.get(), ir.F32Type.get()
+    lane_total = None
+    for e in range(ir.VectorType(squares.type).shape[0]):
+        item = vector.extract(
+            squares, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([e])
+        )
+        lane_total = item if lane_total is None else arith.addf(lane_total, item)
+    warp_total = mgpu_utils.warp_tree_reduce(lane_total, arith.addf, 32)
+    warp = arith.index_cast(index, arith.divui(tid, mgpu_utils.c(32, i32)))
+    lane = arith.remui(tid, mgpu_utils.c(32, i32))
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.eq, lane, mgpu_utils.c(0, i32))):
+        memref.store(warp_total, warp_sums, [warp])
+    barrier()
+    num_warps = ir.MemRefType(warp_sums.type).shape[0]
+    sum_sq = memref.load(warp_sums, [mgpu_utils.c(0, index)])
+    for w in range(1, num_warps):
+        sum_sq = arith.addf(sum_sq, memref.load(warp_sums, [mgpu_utils.c(w, index)]))
+    mean = arith.divf(sum_sq, mgpu_utils.c(float(hidden), f32))
+    return mlir_math.rsqrt(arith.addf(mean, mgpu_utils.c(eps, f32)))

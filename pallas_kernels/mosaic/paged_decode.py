@@ -253,6 +253,7 @@ def rope_append_decode_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     profile_dir: str | None = None,
+    merge: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """A decode step's `rope_append` and `paged_decode_attention` in one kernel, one kernel
     launch fewer a layer: each program builds its Q tile from the projection, and the split
@@ -267,9 +268,13 @@ def rope_append_decode_attention(
         (`page_indices` must name it at position `kv_len - 1`, as `jaxpaged.kv_slots` does).
         Shapes where `folds_rope` is True only.
       profile_dir: as `paged_decode_attention`'s (diagnostics).
+      merge: False returns the splits' states unmerged, as `paged_decode_attention`'s
+        (`pallas_kernels.mosaic.layer` merges them in its first phase).
 
     Returns:
-      `(out [S, Hq, D], lse f32[S, Hq], k_pages, v_pages)`, out in the pages' dtype.
+      `(out [S, Hq, D], lse f32[S, Hq], k_pages, v_pages)`, out in the pages' dtype; without
+      `merge` out [S, splits, Hq, D] (float32, or the pages' dtype for one split) and lse
+      f32[S, splits, Hq].
     """
     partial = qkv.ndim == 5
     num_seq_slots, num_kv_heads, group2, head_dim = qkv.shape[-4:]
@@ -295,6 +300,7 @@ def rope_append_decode_attention(
         profile_dir=profile_dir,
         dtype=k_pages.dtype,
         rope=rope,
+        merge=merge,
     )
     return out, lse, k_ref[...], v_ref[...]
 
