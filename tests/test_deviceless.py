@@ -126,33 +126,30 @@ def test_each_projection_of_a_decode_step_is_a_gemm_on_an_h200():
     assert one["by_kind"]["dot as reduce"] >= 4 * 2, one
 
 
-# The custom calls of a 2-layer step through the layer path: the first layer's norm and qkv,
-# per layer the decode kernel (its Pallas name is `body`) and the layer's kernels after it.
+# The custom calls of a 2-layer step through the layer path (its default form, the phases):
+# the first layer's norm and qkv, per layer the decode kernel (its Pallas name is `body`) and
+# the layer's kernels after it. The persistent form's lowering: `tests/test_layer_path.py`.
 LAYER_PATH_CALLS = {
-    "persistent": {"norm_qkv_kernel": 1, "body": 2, "layer_kernel": 2},
-    "phases": {
-        "norm_qkv_kernel": 1,
-        "body": 2,
-        "layer_o_kernel": 2,
-        "layer_gate_up_kernel": 2,
-        "layer_down_kernel": 2,
-        "layer_qkv_kernel": 1,  # the last layer's: its final norm's `add_rms_norm`
-        "add_rms_norm": 1,
-    },
+    "norm_qkv_kernel": 1,
+    "body": 2,
+    "layer_o_kernel": 2,
+    "layer_gate_up_kernel": 2,
+    "layer_down_kernel": 2,
+    "layer_qkv_kernel": 1,  # the last layer's: its final norm's `add_rms_norm`
+    "add_rms_norm": 1,
 }
 
 
 @needs_plugin
-@pytest.mark.parametrize("form", sorted(LAYER_PATH_CALLS))
-def test_layer_path_decode_step_on_an_h200_in_one_slot(form):
+def test_layer_path_decode_step_on_an_h200_in_one_slot():
     """The engine's B=1 step through the layer path, as it runs on an H200: one sequence slot
     (`LAYER_PATH_MIN_DECODE_ROWS`), the first layer's norm and qkv kernel, per layer the
-    decode kernel and the layer kernel (or its phases' kernels), the logits as the one GEMM
-    (not rewritten at one row), and no more than 14 other kernels (the step's bookkeeping and
-    sampling: 14 with two layers or sixteen, where XLA's layers add 4 GEMMs, 2 custom calls
-    and a fusion a layer)."""
-    step = _decode_block("--layer-form", form)
+    decode kernel and its phases' kernels, the logits as the one GEMM (not rewritten at one
+    row), and no more than 14 other kernels (the step's bookkeeping and sampling: 14 with two
+    layers or sixteen, where XLA's layers add 4 GEMMs, 2 custom calls and a fusion a
+    layer)."""
+    step = _decode_block("--layer-form", "phases")
     assert step["rows"] == 1, step
-    assert step["custom_calls"] == LAYER_PATH_CALLS[form], step
+    assert step["custom_calls"] == LAYER_PATH_CALLS, step
     assert step["by_kind"]["gemm"] == 1 and "dot as reduce" not in step["by_kind"], step
     assert step["by_kind"]["fusion"] <= 14, step

@@ -306,11 +306,11 @@ def test_post_attention_phase_refuses_wrong_carried_outputs():
 LAYER_FORM_KERNELS = {"persistent": 2, "phases": 5}  # custom calls a layer, the decode kernel's
 
 
-# The default form at each slot count and page table; the persistent kernel at one (CI time).
+# The default form at one slot, two (one split's states) and eight; the persistent kernel at
+# eight (CI time).
 @pytest.mark.parametrize(
     ("form", "num_slots", "pages_per_seq"),
-    [("phases", 1, 64), ("phases", 2, 64), ("phases", 2, 2), ("phases", 8, 8),
-     ("persistent", 8, 8)],
+    [("phases", 1, 64), ("phases", 2, 2), ("phases", 8, 8), ("persistent", 8, 8)],
 )  # fmt: skip
 def test_layer_path_step_lowers_to_its_kernels(monkeypatch, form, num_slots, pages_per_seq):
     """The `1b`-shaped decode step through the layer path, cross-lowered for sm_90 as if on an
@@ -354,19 +354,19 @@ def test_layer_path_step_lowers_to_its_kernels(monkeypatch, form, num_slots, pag
     assert len(calls) == LAYER_FORM_KERNELS[form] * layers + 1, calls
 
 
-@pytest.mark.parametrize(("form", "min_rows"), [("phases", 1), ("phases", 2), ("persistent", 1)])
-def test_decode_block_through_the_layer_path_lowers_for_hopper(monkeypatch, form, min_rows):
-    """The engine's decode block (a while loop of steps, the barrier counters a new ref in
-    each) with the layer path, at B=1 in one sequence slot or two, cross-lowered for sm_90 as
-    if on an H200: the first layer's norm and qkv kernel and per layer the decode kernel and
-    the layer kernel or its phases' kernels, and no other custom call."""
+@pytest.mark.parametrize("min_rows", [1, 2])
+def test_decode_block_through_the_layer_path_lowers_for_hopper(monkeypatch, min_rows):
+    """The engine's decode block (a while loop of steps) with the layer path in its default
+    form, at B=1 in one sequence slot or two, cross-lowered for sm_90 as if on an H200: the
+    first layer's norm and qkv kernel, per layer the decode kernel and the phases' kernels,
+    and no other custom call."""
     from jaxpaged import dispatch  # noqa: PLC0415
     from models import engine as engine_module  # noqa: PLC0415
 
     layers = 3
     monkeypatch.setattr(engine_module, "LAYER_PATH_MIN_DECODE_ROWS", min_rows)
     config = dataclasses.replace(CONFIGS["1b"], num_layers=layers, vocab_size=512)
-    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True, layer_form=form)
+    model = Decoder(config, rngs=nnx.Rngs(0), layer_kernel=True)
     engine_config = EngineConfig(page_size=PAGE, num_pages=64, max_seqs=1, max_model_len=512)
     engine = Engine(model, engine_config, implementation="xla")  # built (compiled) on the CPU
     assert engine.decode_rows == min_rows
@@ -376,9 +376,9 @@ def test_decode_block_through_the_layer_path_lowers_for_hopper(monkeypatch, form
     text = fn.trace(*args, **static).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert all("@mosaic_gpu" in line for line in calls), calls
-    assert sum("layer_kernel" in line for line in calls) == (form == "persistent") * layers
+    assert sum("layer_down_kernel" in line for line in calls) == layers, calls
     assert sum("norm_qkv_kernel" in line for line in calls) == 1, calls
-    assert len(calls) == LAYER_FORM_KERNELS[form] * layers + 1, calls
+    assert len(calls) == LAYER_FORM_KERNELS["phases"] * layers + 1, calls
 
 
 def _norm_qkv_inputs(hidden: int, qkv: int, rows: int, seed: int = 0):
